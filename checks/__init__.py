@@ -1,0 +1,1 @@
+"""Diagnoses: one module per check, each returning a CheckResult."""

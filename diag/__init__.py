@@ -1,0 +1,7 @@
+"""gpudiag: diagnostics and reproducible bug reports for multi-GPU PyTorch training.
+
+Importing this package is cheap and touches no hardware: neither torch nor pynvml is
+imported here (``tests/test_import_hygiene.py`` enforces it).
+"""
+
+__version__ = "0.1.0"

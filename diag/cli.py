@@ -1,0 +1,105 @@
+"""The ``gpudiag`` command line. Every command parses, calls one function, renders.
+
+Exit codes: 0 nothing wrong, 1 a problem found, 2 bad usage or input, 3 cannot run here.
+Errors are one line on stderr; ``--debug`` shows the traceback. Heavy modules (torch,
+pynvml, rich) are imported inside commands, so ``gpudiag --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from gpudiag import __version__
+from gpudiag.errors import EXIT_PROBLEM, GpudiagError
+
+
+class GpudiagGroup(click.Group):
+    """Turns :class:`GpudiagError` into a one-line message and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except GpudiagError as exc:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            click.echo(f"gpudiag: error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except BrokenPipeError:
+            sys.stderr.close()
+            ctx.exit(EXIT_PROBLEM)
+        except Exception as exc:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            click.echo(
+                f"gpudiag: internal error: {type(exc).__name__}: {exc} "
+                "(rerun with --debug for the traceback and report it)",
+                err=True,
+            )
+            ctx.exit(EXIT_PROBLEM)
+
+
+def format_option(formats: tuple[str, ...]) -> Any:
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(formats),
+        default="text",
+        show_default=True,
+        help="Output format.",
+    )
+
+
+@click.group(cls=GpudiagGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpudiag")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Diagnose multi-GPU PyTorch training: interconnect, gradients, NaNs, checkpoints."""
+    ctx.obj = {"debug": debug}
+
+
+@cli.command()
+@click.option(
+    "--from-file",
+    "from_file",
+    metavar="PATH|-",
+    help="Read an `nvidia-smi topo -m` capture (may be followed by `topo -p2p rw`); - is stdin.",
+)
+@click.option(
+    "--machine",
+    metavar="FILE",
+    help="Read a machine file (as written by --save-machine).",
+)
+@click.option(
+    "--save-machine",
+    metavar="FILE",
+    help="Also write what was read as a machine file.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --save-machine file.")
+@format_option(("text", "json", "markdown", "dot"))
+def topology(
+    from_file: str | None, machine: str | None, save_machine: str | None, force: bool, fmt: str
+) -> None:
+    """Show which GPUs are joined by NVLink or PCIe, P2P status, and how to group them.
+
+    Reads live NVML unless --from-file or --machine is given. GPU numbers are
+    nvidia-smi's (PCI bus order).
+    """
+    from gpudiag.hw.machine import save_machine as write_machine
+    from gpudiag.render import render
+    from gpudiag.topology.analysis import analyze
+    from gpudiag.topology.sources import read_topology
+
+    topo = read_topology(from_file=from_file, machine=machine)
+    if save_machine:
+        write_machine(topo, save_machine, force=force)
+    render("topology", analyze(topo), fmt, sys.stdout)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="gpudiag")

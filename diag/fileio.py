@@ -1,0 +1,41 @@
+"""Safe writes of user-visible files.
+
+Every file gpudiag writes goes to a temporary file in the target folder, is fsynced and
+then renamed over the target, so a failure never leaves a partial file; an existing
+target is replaced only with ``force``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from gpudiag.errors import InputError
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically; refuse an existing file unless ``force``."""
+    target = Path(path)
+    if target.exists() and not force:
+        raise InputError(f"{target} exists; pass --force to overwrite it")
+    if target.is_dir():
+        raise InputError(f"{target} is a folder")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"folder {folder} does not exist")
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputError(f"cannot write in {folder}: {exc.strerror}") from exc
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,49 @@
+"""Findings: what a check or an analysis concluded, with a stable public code.
+
+A :class:`Finding` code is kebab-case and documented in ``docs/findings.md``; codes are
+public API and never renamed. Severity is ``info`` (advice), ``warning`` or ``error``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "error"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One conclusion: ``code`` (stable), ``message`` (one line), the ``evidence`` behind
+    it (JSON-serialisable), and where known the likely ``cause`` and the ``fix``."""
+
+    code: str
+    severity: Severity
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    cause: str | None = None
+    fix: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            "evidence": self.evidence,
+        }
+        if self.cause:
+            out["cause"] = self.cause
+        if self.fix:
+            out["fix"] = self.fix
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Finding:
+        return cls(
+            code=str(data["code"]),
+            severity=data.get("severity", "warning"),
+            message=str(data["message"]),
+            evidence=dict(data.get("evidence") or {}),
+            cause=data.get("cause"),
+            fix=data.get("fix"),
+        )

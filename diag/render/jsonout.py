@@ -1,0 +1,15 @@
+"""JSON output: every result's ``to_json()`` document, indented, one trailing newline."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TextIO
+
+
+def write(document: dict[str, Any], stream: TextIO) -> None:
+    json.dump(document, stream, indent=2, ensure_ascii=False)
+    stream.write("\n")
+
+
+def topology(report: Any, stream: TextIO) -> None:
+    write(report.to_json(), stream)

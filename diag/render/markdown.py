@@ -1,0 +1,84 @@
+"""Markdown output, ready to paste into a GitHub issue."""
+
+from __future__ import annotations
+
+from typing import Any, TextIO
+
+from gpudiag.render.text import SOURCE_NAME, _grouped
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [_row(header), _row(["---"] * len(header))]
+    lines += [_row(r) for r in rows]
+    return "\n".join(lines)
+
+
+def findings(items: list[Any], title: str) -> str:
+    if not items:
+        return ""
+    lines = [f"### {title}", ""]
+    for f in items:
+        lines.append(f"- **`{f.code}`** — {f.message}")
+        if f.cause:
+            lines.append(f"  - cause: {f.cause}")
+        if f.fix:
+            lines.append(f"  - fix: {f.fix}")
+    return "\n".join(lines) + "\n\n"
+
+
+def topology(report: Any, stream: TextIO) -> None:
+    topo = report.topology
+    gpus = list(topo.gpus.values())
+    out = [
+        "## GPU topology",
+        "",
+        f"From {SOURCE_NAME.get(topo.source, topo.source)}; {len(topo.gpu_labels)} GPU(s), "
+        f"{len(topo.nic_labels)} NIC(s). GPU numbers are nvidia-smi's (PCI bus order).",
+        "",
+    ]
+    if any(g.name or g.pci_bus_id for g in gpus):
+        rows = [
+            [
+                str(g.index),
+                g.name or "N/A",
+                g.pci_bus_id or "N/A",
+                "N/A" if g.memory_total_mib is None else f"{g.memory_total_mib} MiB",
+            ]
+            for g in gpus
+        ]
+        out += [table(["GPU", "name", "PCI bus id", "memory"], rows), ""]
+    affinity = [
+        (key, heading)
+        for key, heading in (
+            ("cpu_affinity", "CPU Affinity"),
+            ("numa_affinity", "NUMA Affinity"),
+            ("gpu_numa_id", "GPU NUMA ID"),
+        )
+        if any(getattr(g, key) is not None for g in gpus)
+    ]
+    rows = []
+    for r in topo.labels:
+        info = topo.gpus.get(r)
+        extra = [(getattr(info, k) or "N/A") if info else "" for k, _ in affinity]
+        rows.append([f"**{r}**", *[topo.cell(r, c) or "?" for c in topo.labels], *extra])
+    out += [table(["", *topo.labels, *[h for _, h in affinity]], rows), ""]
+    if topo.nic_legend:
+        out += ["NICs: " + ", ".join(f"{k} = `{v}`" for k, v in topo.nic_legend.items()), ""]
+    if report.pairs:
+        rows = [
+            [
+                link or "?",
+                group[0].kind or "unknown",
+                p2p or "—",
+                " ".join(f"({p.a},{p.b})" for p in group),
+            ]
+            for (link, p2p), group in _grouped(report.pairs)
+        ]
+        out += ["### GPU pairs, best first", "", table(["link", "kind", "P2P", "pairs"], rows), ""]
+    stream.write("\n".join(out) + "\n")
+    stream.write(findings(report.warnings, "Warnings"))
+    stream.write(findings(report.advice, "Advice"))

@@ -1,0 +1,161 @@
+"""Human-readable output with rich: colour and tables on a terminal, plain text when piped."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, TextIO
+
+from gpudiag.topology.model import GpuPair, link_rank, path_of
+
+#: Colour per path class, best (green) to worst (red).
+LINK_STYLE = {
+    "NVLINK": "bold green",
+    "PIX": "cyan",
+    "PXB": "cyan",
+    "PHB": "yellow",
+    "NODE": "dark_orange",
+    "SYS": "red",
+}
+SEVERITY_MARK = {"error": ("✖", "bold red"), "warning": ("▲", "yellow"), "info": ("•", "cyan")}
+SOURCE_NAME = {
+    "nvml": "live NVML",
+    "nvidia-smi": "an `nvidia-smi topo` capture",
+    "machine-file": "a machine file",
+}
+
+
+class text_console:
+    """A rich console for ``stream``: colour and the terminal's width on a terminal;
+    when piped, plain text 200 columns wide (tables are never squeezed) with trailing
+    blanks removed, so output is stable for scripts and golden files."""
+
+    def __init__(self, stream: TextIO):
+        from rich.console import Console
+
+        self.stream = stream
+        self.is_tty = hasattr(stream, "isatty") and stream.isatty()
+        self.buffer = io.StringIO()
+        self.console = Console(
+            file=stream if self.is_tty else self.buffer,
+            force_terminal=None if self.is_tty else False,
+            width=None if self.is_tty else 200,
+            highlight=False,
+            emoji=False,
+        )
+
+    def __enter__(self) -> Any:
+        return self.console
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.is_tty:
+            lines = self.buffer.getvalue().split("\n")
+            self.stream.write("\n".join(line.rstrip() for line in lines))
+
+
+def styled(code: str | None) -> str:
+    """A matrix cell as rich markup."""
+    if code is None:
+        return "[dim]?[/dim]"
+    if code == "X":
+        return "[dim]X[/dim]"
+    style = LINK_STYLE.get(path_of(code) or "", "")
+    return f"[{style}]{code}[/{style}]" if style else code
+
+
+def findings(out: Any, items: list[Any], title: str) -> None:
+    from rich.markup import escape
+
+    if not items:
+        return
+    out.print(f"\n[bold]{title}[/bold]")
+    for f in items:
+        mark, style = SEVERITY_MARK.get(f.severity, ("•", ""))
+        out.print(f"  [{style}]{mark}[/{style}] [bold]{f.code}[/bold]: {escape(f.message)}")
+        if f.cause:
+            out.print(f"      cause: {escape(f.cause)}")
+        if f.fix:
+            out.print(f"      fix: {escape(f.fix)}")
+
+
+def topology(report: Any, stream: TextIO) -> None:
+
+    with text_console(stream) as out:
+        _topology(out, report)
+
+
+def _topology(out: Any, report: Any) -> None:
+    from rich import box
+    from rich.table import Table
+
+    topo = report.topology
+    out.print(
+        f"[bold]GPU topology[/bold] from {SOURCE_NAME.get(topo.source, topo.source)} · "
+        f"{len(topo.gpu_labels)} GPU(s), {len(topo.nic_labels)} NIC(s) · GPU numbers are "
+        "nvidia-smi's (PCI bus order)"
+    )
+    gpus = list(topo.gpus.values())
+    if any(g.name or g.pci_bus_id for g in gpus):
+        live = topo.source == "nvml"
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("GPU", "name", "PCI bus id", "memory", "UUID") + (("torch",) if live else ()):
+            table.add_column(column)
+        for g in gpus:
+            torch = ("hidden" if g.torch_index is None else f"cuda:{g.torch_index}",)
+            table.add_row(
+                str(g.index),
+                g.name or "N/A",
+                g.pci_bus_id or "N/A",
+                f"{g.memory_total_mib} MiB" if g.memory_total_mib is not None else "N/A",
+                g.uuid or "N/A",
+                *(torch if live else ()),
+            )
+        out.print(table)
+
+    affinity = [
+        (key, heading)
+        for key, heading in (
+            ("cpu_affinity", "CPU Affinity"),
+            ("numa_affinity", "NUMA Affinity"),
+            ("gpu_numa_id", "GPU NUMA ID"),
+        )
+        if any(getattr(g, key) is not None for g in gpus)
+    ]
+    matrix = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    matrix.add_column("")
+    for label in topo.labels:
+        matrix.add_column(label, justify="center")
+    for _, heading in affinity:
+        matrix.add_column(heading)
+    for row in topo.labels:
+        cells = [styled(topo.cell(row, col)) for col in topo.labels]
+        info = topo.gpus.get(row)
+        extra = [(getattr(info, key) or "N/A") if info else "" for key, _ in affinity]
+        matrix.add_row(f"[bold]{row}[/bold]", *cells, *extra)
+    out.print(matrix)
+    if topo.nic_legend:
+        out.print("NICs: " + ", ".join(f"{k} = {v}" for k, v in topo.nic_legend.items()))
+
+    if report.pairs:
+        out.print("\n[bold]GPU pairs, best first[/bold]")
+        pairs = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("link", "kind", "P2P", "pairs"):
+            pairs.add_column(column)
+        for (link, p2p), group in _grouped(report.pairs):
+            first = group[0]
+            pairs.add_row(
+                styled(link),
+                first.kind or "unknown",
+                p2p or "—",
+                " ".join(f"({p.a},{p.b})" for p in group),
+            )
+        out.print(pairs)
+    findings(out, report.warnings, "Warnings")
+    findings(out, report.advice, "Advice")
+
+
+def _grouped(pairs: list[GpuPair]) -> list[tuple[tuple[str | None, str | None], list[GpuPair]]]:
+    """Pairs grouped by (link, P2P status), best link first, in first-seen order."""
+    groups: dict[tuple[str | None, str | None], list[GpuPair]] = {}
+    for p in pairs:
+        groups.setdefault((p.link, p.p2p), []).append(p)
+    return sorted(groups.items(), key=lambda kv: -link_rank(kv[0][0]))

@@ -1,0 +1,1 @@
+"""What leaves the machine: environment capture, bug reports, replay, checkpoint conversion."""
