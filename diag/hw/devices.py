@@ -57,12 +57,18 @@ class DeviceMapping:
 
 
 def cuda_order(gpus: list[GpuInfo], device_order: str | None) -> tuple[list[GpuInfo], bool]:
-    """The GPUs in CUDA's enumeration order and whether that order is certain."""
-    by_bus = sorted(gpus, key=lambda g: (g.pci_bus_id or "", g.index))
+    """The GPUs in CUDA's enumeration order and whether that order is certain.
+
+    GPUs whose bus id NVML could not read (lost GPUs) are left out: CUDA does not
+    enumerate a GPU that has fallen off the bus, and nothing else can place them.
+    """
+    known = [g for g in gpus if g.pci_bus_id]
+    by_bus = sorted(known, key=lambda g: g.pci_bus_id or "")
+    certain = len(known) == len(gpus)
     if (device_order or "FASTEST_FIRST").upper() == "PCI_BUS_ID":
-        return by_bus, True
+        return by_bus, certain
     # FASTEST_FIRST puts the fastest GPU first; among identical GPUs CUDA keeps PCI order.
-    return by_bus, len({g.name for g in gpus}) <= 1
+    return by_bus, certain and len({g.name for g in known}) <= 1
 
 
 def map_torch_indices(
@@ -81,7 +87,10 @@ def map_torch_indices(
         return DeviceMapping({g.index: position.get(g.pci_bus_id) for g in gpus}, True)
     order, certain = cuda_order(gpus, env.get("CUDA_DEVICE_ORDER"))
     notes = []
-    if not certain:
+    unknown = [g.index for g in gpus if not g.pci_bus_id]
+    if unknown:
+        notes.append(f"the PCI bus id of GPU {', '.join(map(str, unknown))} is unknown: not mapped")
+    elif not certain:
         notes.append(
             "GPUs of different models under CUDA_DEVICE_ORDER=FASTEST_FIRST: torch's order "
             "is CUDA's guess; set CUDA_DEVICE_ORDER=PCI_BUS_ID to make it match nvidia-smi"

@@ -45,6 +45,7 @@ P2P_CAP_INDEX = {"read": 0, "write": 1, "nvlink": 2, "atomics": 3}
 NVLINK_REMOTE_SWITCH = 2
 MAX_NVLINKS = 36  # NVML_NVLINK_MAX_LINKS in nvidia-ml-py 13.x
 AFFINITY_SCOPE_NODE = 0  # NVML_AFFINITY_SCOPE_NODE
+CPU_MASK_WORDS = 16  # room for 1024 CPUs
 
 #: Errors after which nothing can be read; everything else is per field.
 _FATAL = {
@@ -55,6 +56,9 @@ _FATAL = {
     "NoPermission": "no permission to talk to the NVIDIA driver",
     "Uninitialized": "NVML could not be initialised",
 }
+#: Fields that are normally absent, so their absence is not worth a note: the GPU's own
+#: NUMA node exists only where GPU memory is a NUMA node (Grace).
+_EXPECTED_GAPS = {("gpu_numa_id", "NotSupported")}
 _HINT = (
     "to analyse a capture instead: `nvidia-smi topo -m > topo.txt` on the GPU machine, "
     "then `gpudiag topology --from-file topo.txt`"
@@ -162,9 +166,11 @@ class NvmlBackend:
             return None
 
     def _failed(self, field: str, exc: Exception, index: int) -> None:
-        if error_name(exc) == "GpuIsLost":
+        name = error_name(exc)
+        if name == "GpuIsLost":
             self._lost.add(index)
-        self._failures[(field, error_name(exc))].append(index)
+        if (field, name) not in _EXPECTED_GAPS:
+            self._failures[(field, name)].append(index)
 
     def _read(self, field: str, index: int, call: Callable[..., Any], *args: Any) -> Any:
         """``call(*args)``, or None (and a note) when NVML cannot give this field."""
@@ -188,7 +194,8 @@ class NvmlBackend:
 
     def gpus(self) -> list[GpuInfo]:
         nvml = self._lib()
-        words = max(1, -(-(os.cpu_count() or 64) // 64))
+        # CPU mask words of 64 CPUs; generous, since a container may see fewer CPUs than NVML.
+        words = max(CPU_MASK_WORDS, -(-(os.cpu_count() or 1) // 64))
         out = []
         for i, h in enumerate(self._handles):
             info = GpuInfo(label=f"GPU{i}", index=i)

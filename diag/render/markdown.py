@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from gpudiag.render.text import SOURCE_NAME, _grouped
+from gpudiag.render.text import SOURCE_NAME, grouped_pairs
 
 
 def _row(cells: list[str]) -> str:
@@ -76,7 +76,7 @@ def topology(report: Any, stream: TextIO) -> None:
                 p2p or "—",
                 " ".join(f"({p.a},{p.b})" for p in group),
             ]
-            for (link, p2p), group in _grouped(report.pairs)
+            for (link, p2p), group in grouped_pairs(report.pairs)
         ]
         out += ["### GPU pairs, best first", "", table(["link", "kind", "P2P", "pairs"], rows), ""]
     stream.write("\n".join(out) + "\n")

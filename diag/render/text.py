@@ -140,20 +140,27 @@ def _topology(out: Any, report: Any) -> None:
         pairs = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for column in ("link", "kind", "P2P", "pairs"):
             pairs.add_column(column)
-        for (link, p2p), group in _grouped(report.pairs):
+        for (link, p2p), group in grouped_pairs(report.pairs):
             first = group[0]
             pairs.add_row(
                 styled(link),
                 first.kind or "unknown",
                 p2p or "—",
-                " ".join(f"({p.a},{p.b})" for p in group),
+                pair_list(group, len(report.pairs)),
             )
         out.print(pairs)
     findings(out, report.warnings, "Warnings")
     findings(out, report.advice, "Advice")
 
 
-def _grouped(pairs: list[GpuPair]) -> list[tuple[tuple[str | None, str | None], list[GpuPair]]]:
+def pair_list(group: list[GpuPair], total: int) -> str:
+    """``(0,1) (2,3)``, or ``all 28 pairs`` when the group holds every pair."""
+    if len(group) == total > 2:
+        return f"all {total} pairs"
+    return " ".join(f"({p.a},{p.b})" for p in group)
+
+
+def grouped_pairs(pairs: list[GpuPair]) -> list[tuple[tuple[str | None, str | None], list[GpuPair]]]:
     """Pairs grouped by (link, P2P status), best link first, in first-seen order."""
     groups: dict[tuple[str | None, str | None], list[GpuPair]] = {}
     for p in pairs:

@@ -276,7 +276,7 @@ def _worst_link(topo: Topology, group: tuple[int, ...]) -> str | None:
 def _best_groups(topo: Topology, size: int) -> list[Finding]:
     if len(topo.gpu_labels) <= size:
         return []
-    groups = best_groups(topo, size)
+    groups = [g for g in best_groups(topo, size) if _worst_link(topo, g) is not None]
     if not groups:
         return []
     worst = [_worst_link(topo, g) for g in groups]

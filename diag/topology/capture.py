@@ -157,7 +157,7 @@ def parse_capture(text: str, source: str = "capture") -> Topology:
 
 def _clean(text: str) -> str:
     text = _ANSI.sub("", text.replace("\ufeff", ""))
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = re.sub(r"\r+\n", "\n", text).replace("\r", "\n")
     return text.replace("\xa0", " ")
 
 
@@ -198,7 +198,7 @@ def _read_rows(block: _Block, lines: list[str], start: int, source: str, notes: 
     while i < len(lines):
         line = lines[i]
         if not line.strip() or _RULE.match(line):
-            if block.rows:
+            if block.rows and not _more_rows(block, lines, i):
                 break
             i += 1
             continue
@@ -222,6 +222,16 @@ def _read_rows(block: _Block, lines: list[str], start: int, source: str, notes: 
         raise CaptureError("the matrix mixes link codes and P2P status codes", block.header_line, source)
     block.kind = kinds.pop() if kinds else "links"
     return i
+
+
+def _more_rows(block: _Block, lines: list[str], blank: int) -> bool:
+    """Whether the next non-blank line after ``blank`` is a row still to come (pastes
+    with a blank line between rows)."""
+    for line in lines[blank + 1 :]:
+        if line.strip():
+            match = _LABEL.match(line.lstrip(" \t|"))
+            return bool(match) and match.group(0) in block.labels and match.group(0) not in block.rows
+    return False
 
 
 def _cells(text: str, count: int, label: str, line: int, source: str) -> tuple[list[str], str]:

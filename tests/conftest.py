@@ -1,0 +1,41 @@
+"""Shared test helpers: the real topology captures and the NVML scenarios."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+TOPO = DATA / "topo"
+NVML = DATA / "nvml"
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def capture(name: str) -> str:
+    """The text of a capture in ``tests/data/topo`` (copied from ``shared/fixtures/topo``)."""
+    return (TOPO / name).read_text(encoding="utf-8")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu``/``multi_gpu`` tests with a reason where no CUDA GPU is present."""
+    marked = [item for item in items if "gpu" in item.keywords or "multi_gpu" in item.keywords]
+    if not marked:
+        return
+    count = _cuda_device_count()
+    for item in marked:
+        if "multi_gpu" in item.keywords and count < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {count}"))
+        elif "gpu" in item.keywords and count < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, found none"))
+
+
+def _cuda_device_count() -> int:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
