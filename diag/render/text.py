@@ -41,6 +41,7 @@ class text_console:
             width=None if self.is_tty else 200,
             highlight=False,
             emoji=False,
+            soft_wrap=not self.is_tty,
         )
 
     def __enter__(self) -> Any:

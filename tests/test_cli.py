@@ -1,0 +1,180 @@
+"""The command line through click's CliRunner: help, formats, exit codes, safe writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from gpudiag.cli import cli
+
+from tests.conftest import GOLDEN, NVML, TOPO
+
+SEED = str(TOPO / "seed_8gpu_nv4_pairs_node_sys.txt")
+
+
+def run(*args: str, env: dict[str, str] | None = None, stdin: str | None = None):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(cli, list(args), env=env, input=stdin, catch_exceptions=False)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["topology", "--help"]])
+def test_help(args: list[str]) -> None:
+    result = run(*args)
+    assert result.exit_code == 0
+    assert "Usage:" in result.output
+
+
+def test_version() -> None:
+    assert run("--version").output.startswith("gpudiag, version ")
+
+
+def test_topology_json_schema_from_a_capture() -> None:
+    result = run("topology", "--from-file", SEED, "--format", "json")
+    assert result.exit_code == 0
+    doc = json.loads(result.output)
+    assert doc["schema"] == "gpudiag.topology/1"
+    assert doc["source"] == "nvidia-smi"
+    assert doc["numbering"] == "nvidia-smi"
+    assert doc["labels"] == [f"GPU{i}" for i in range(8)]
+    assert doc["gpus"]["GPU0"]["cpu_affinity"] == "0-31"
+    assert doc["gpus"]["GPU0"]["numa_affinity"] is None
+    assert doc["nic_legend"] == {}
+    assert doc["matrix"]["GPU0"]["GPU0"] == "X"  # the Greek Χ is normalised
+    assert doc["matrix"]["GPU5"]["GPU6"] == "NODE"
+    first = doc["pairs"][0]
+    assert first == {
+        "a": 0,
+        "b": 1,
+        "link": "NV4",
+        "kind": "nvlink",
+        "nvlinks": 4,
+        "path": "NVLINK",
+        "p2p": None,
+        "p2p_caps": {},
+    }
+    assert {"code", "severity", "message", "evidence"} <= set(doc["warnings"][0])
+    assert [a["code"] for a in doc["advice"]] == ["best-gpu-groups", "best-gpu-groups", "numa-affinity"]
+
+
+def test_soc_is_reported_as_sys_path_in_json() -> None:
+    doc = json.loads(
+        run(
+            "topology", "--from-file", str(TOPO / "p40_8gpu_pix_pxb_soc_legacy_tabs.txt"), "--format", "json"
+        ).output
+    )
+    assert doc["matrix"]["GPU0"]["mlx5_0"] == "SOC"
+    assert {p["path"] for p in doc["pairs"]} == {"PIX", "PXB"}
+
+
+def test_capture_from_stdin() -> None:
+    result = run("topology", "--from-file", "-", "--format", "json", stdin=Path(SEED).read_text())
+    assert result.exit_code == 0
+    assert json.loads(result.output)["pairs"][0]["link"] == "NV4"
+
+
+def test_markdown_and_dot() -> None:
+    md = run("topology", "--from-file", SEED, "--format", "markdown").output
+    assert md.startswith("## GPU topology")
+    assert "| **GPU0** | X | NV4 |" in md
+    assert "`CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1`" in md
+    dot = run(
+        "topology", "--from-file", str(TOPO / "h100_8gpu_nv18_8nic_spaces.txt"), "--format", "dot"
+    ).output
+    assert dot.startswith("graph topology {") and dot.rstrip().endswith("}")
+    assert '"GPU0" -- "GPU1" [label="NV18"' in dot
+    assert '"GPU0" -- "NIC0" [label="PIX"' in dot
+    assert '"GPU0" -- "NIC4"' not in dot  # far NICs are left out
+
+
+@pytest.mark.parametrize(
+    ("capture", "golden"),
+    [
+        ("seed_8gpu_nv4_pairs_node_sys.txt", "topology_seed.txt"),
+        ("dgx_a100_8gpu_nv12_10nic_spaces.txt", "topology_dgx_a100.txt"),
+    ],
+)
+def test_text_output_matches_golden_file(capture: str, golden: str) -> None:
+    output = run("topology", "--from-file", str(TOPO / capture)).output
+    expected = GOLDEN / golden
+    if os.environ.get("GPUDIAG_UPDATE_GOLDEN"):  # regenerate, review the diff, commit
+        expected.write_text(output)
+    assert output == expected.read_text()
+
+
+def test_no_driver_is_exit_3_with_one_line() -> None:
+    result = run("topology", env={"GPUDIAG_NVML_SCENARIO": str(NVML / "no_driver.json")})
+    assert result.exit_code == 3
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().split("\n")
+    assert "libnvidia-ml.so" in line and "--from-file" in line
+
+
+def test_live_nvml_scenario_renders() -> None:
+    result = run(
+        "topology",
+        "--format",
+        "json",
+        env={"GPUDIAG_NVML_SCENARIO": str(NVML / "rtx5090_2gpu_pcie_gns.json")},
+    )
+    assert result.exit_code == 0
+    doc = json.loads(result.output)
+    assert doc["source"] == "nvml"
+    assert doc["pairs"][0]["p2p"] == "GNS"
+    assert [w["code"] for w in doc["warnings"]] == ["p2p-not-supported"]
+    assert doc["gpus"]["GPU1"]["torch_index"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--from-file", "/nonexistent/topo.txt"], "does not exist"),
+        (["--from-file", str(TOPO / "amd_rocm_smi_showtopo_4gpu_pcie.txt")], "rocm-smi"),
+        (["--machine", "/nonexistent/m.json"], "does not exist"),
+        (["--from-file", SEED, "--machine", SEED], "not both"),
+        (["--machine", SEED], "not valid JSON"),
+    ],
+)
+def test_bad_input_is_exit_2_with_one_line(args: list[str], message: str) -> None:
+    result = run("topology", *args)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().split("\n")
+    assert line.startswith("gpudiag: error:") and message in line
+
+
+def test_bad_option_is_exit_2() -> None:
+    assert run("topology", "--format", "yaml").exit_code == 2
+
+
+def test_save_machine_then_machine_gives_the_same_result(tmp_path: Path) -> None:
+    machine = tmp_path / "seed.json"
+    first = run("topology", "--from-file", SEED, "--save-machine", str(machine), "--format", "json")
+    again = run("topology", "--machine", str(machine), "--format", "json")
+    a, b = json.loads(first.output), json.loads(again.output)
+    assert (a.pop("source"), b.pop("source")) == ("nvidia-smi", "machine-file")
+    assert a == b
+
+
+def test_save_machine_refuses_to_overwrite_and_leaves_input_alone(tmp_path: Path) -> None:
+    capture = tmp_path / "topo.txt"
+    shutil.copy(SEED, capture)
+    before = capture.read_bytes()
+    target = tmp_path / "m.json"
+    target.write_text("mine")
+    result = run("topology", "--from-file", str(capture), "--save-machine", str(target))
+    assert result.exit_code == 2 and "--force" in result.stderr
+    assert target.read_text() == "mine"
+    assert (
+        run("topology", "--from-file", str(capture), "--save-machine", str(target), "--force").exit_code == 0
+    )
+    assert json.loads(target.read_text())["schema"] == "gpudiag.machine/1"
+    assert capture.read_bytes() == before
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = CliRunner().invoke(cli, ["--debug", "topology", "--from-file", "/nonexistent"])
+    assert result.exit_code != 0
+    assert result.exception is not None

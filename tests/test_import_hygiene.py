@@ -1,0 +1,37 @@
+"""``import gpudiag`` and ``gpudiag --help`` import neither torch nor pynvml."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import sys
+{code}
+heavy = sorted(m for m in ("torch", "pynvml", "torchvision", "rich") if m in sys.modules)
+print("HEAVY=" + ",".join(heavy))
+"""
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import gpudiag",
+        "import gpudiag.cli, gpudiag.topology, gpudiag.hw, gpudiag.checks, gpudiag.repro",
+        "from gpudiag.cli import cli\ntry:\n    cli(['--help'])\nexcept SystemExit:\n    pass",
+        "from gpudiag.cli import cli\ntry:\n    cli(['topology', '--help'])\nexcept SystemExit:\n    pass",
+    ],
+)
+def test_no_heavy_imports(code: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK.format(code=code)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().split("\n")[-1] == "HEAVY="
+
+
+def test_python_dash_m_works() -> None:
+    out = subprocess.run([sys.executable, "-m", "gpudiag", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "topology" in out.stdout
