@@ -230,7 +230,8 @@ def _more_rows(block: _Block, lines: list[str], blank: int) -> bool:
     for line in lines[blank + 1 :]:
         if line.strip():
             match = _LABEL.match(line.lstrip(" \t|"))
-            return bool(match) and match.group(0) in block.labels and match.group(0) not in block.rows
+            label = match.group(0) if match else None
+            return label in block.labels and label not in block.rows
     return False
 
 
