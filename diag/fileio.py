@@ -17,10 +17,10 @@ from gpudiag.errors import InputError
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool = False) -> Path:
     """Write ``data`` to ``path`` atomically; refuse an existing file unless ``force``."""
     target = Path(path)
-    if target.exists() and not force:
-        raise InputError(f"{target} exists; pass --force to overwrite it")
     if target.is_dir():
         raise InputError(f"{target} is a folder")
+    if target.exists() and not force:
+        raise InputError(f"{target} exists; pass --force to overwrite it")
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise InputError(f"folder {folder} does not exist")

@@ -51,15 +51,7 @@ def topology(report: Any, stream: TextIO) -> None:
             for g in gpus
         ]
         out += [table(["GPU", "name", "PCI bus id", "memory"], rows), ""]
-    affinity = [
-        (key, heading)
-        for key, heading in (
-            ("cpu_affinity", "CPU Affinity"),
-            ("numa_affinity", "NUMA Affinity"),
-            ("gpu_numa_id", "GPU NUMA ID"),
-        )
-        if any(getattr(g, key) is not None for g in gpus)
-    ]
+    affinity = topo.affinity_columns()
     rows = []
     for r in topo.labels:
         info = topo.gpus.get(r)

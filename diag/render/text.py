@@ -112,15 +112,7 @@ def _topology(out: Any, report: Any) -> None:
             )
         out.print(table)
 
-    affinity = [
-        (key, heading)
-        for key, heading in (
-            ("cpu_affinity", "CPU Affinity"),
-            ("numa_affinity", "NUMA Affinity"),
-            ("gpu_numa_id", "GPU NUMA ID"),
-        )
-        if any(getattr(g, key) is not None for g in gpus)
-    ]
+    affinity = topo.affinity_columns()
     matrix = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
     matrix.add_column("")
     for label in topo.labels:

@@ -13,7 +13,7 @@ GPU numbering is nvidia-smi's (= NVML's, PCI bus order), never torch's ``cuda:N`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from gpudiag.findings import Finding
@@ -38,6 +38,13 @@ P2P_STATUS = {
 #: P2P capabilities as NVML names them (``NVML_P2P_CAPS_INDEX_*``); ``reported`` is a
 #: status read from a ``topo -p2p`` capture whose capability letters are not known.
 P2P_CAPS = ("read", "write", "nvlink", "atomics", "reported")
+
+#: GpuInfo fields shown as ``nvidia-smi topo -m`` affinity columns, with their headings.
+AFFINITY_COLUMNS = (
+    ("cpu_affinity", "CPU Affinity"),
+    ("numa_affinity", "NUMA Affinity"),
+    ("gpu_numa_id", "GPU NUMA ID"),
+)
 
 _NVLINK = re.compile(r"NV(\d+)")
 _GPU_LABEL = re.compile(r"GPU(\d+)")
@@ -186,8 +193,10 @@ class Topology:
                 out.append(GpuPair(a, b, self.cell(la, lb), summarize_p2p(caps), caps))
         return out
 
-    def with_source(self, source: str) -> Topology:
-        return replace(self, source=source)
+    def affinity_columns(self) -> list[tuple[str, str]]:
+        """(GpuInfo field, ``topo -m`` heading) of the affinity columns any GPU has."""
+        gpus = self.gpus.values()
+        return [(f, h) for f, h in AFFINITY_COLUMNS if any(getattr(g, f) is not None for g in gpus)]
 
 
 def summarize_p2p(caps: dict[str, str | None]) -> str | None:
