@@ -312,3 +312,19 @@ def test_what_cannot_be_read_is_one_clear_error(name: str, text: str, message: s
     assert message in str(info.value)
     assert str(info.value).startswith("topo.txt")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["seed_8gpu_nv4_pairs_node_sys.txt", "h200_8gpu_nv18_12nic_tabs.txt"])
+def test_markdown_table_paste_reads_back_the_same_matrix(name: str) -> None:
+    import io
+
+    from gpudiag.render.markdown import topology as markdown
+    from gpudiag.topology.analysis import analyze
+
+    original = parse_capture(capture(name))
+    out = io.StringIO()
+    markdown(analyze(original), out)
+    again = parse_capture(out.getvalue())
+    assert again.labels == original.labels
+    assert again.matrix == original.matrix
+    assert again.gpus == original.gpus

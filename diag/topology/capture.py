@@ -12,6 +12,7 @@ What this accepts (every case has a real capture in ``../shared/fixtures/topo``)
   truncated or shortened header words), values kept as printed, ``N/A`` as None;
 - damage from copying: merged cells (``SYSSYS``, ``PXBSYS``, `` X SYS``), a merged header
   (``GPU0GPU1…``, ``NIC7NIC8``), a non-ASCII self marker (Greek ``Χ``), a dashed rule;
+- Markdown tables of the matrix (pipes, bold labels), as in GitHub issues;
 - ``topo -p2p`` status matrices (``OK CNS GNS TNS NS DR U``), alone or after a ``-m`` matrix.
 
 Cells are found with a regular expression rather than by splitting on whitespace, which
@@ -158,7 +159,9 @@ def parse_capture(text: str, source: str = "capture") -> Topology:
 def _clean(text: str) -> str:
     text = _ANSI.sub("", text.replace("\ufeff", ""))
     text = re.sub(r"\r+\n", "\n", text).replace("\r", "\n")
-    return text.replace("\xa0", " ")
+    # Pipes and bold markers come from Markdown tables (GitHub issues, gpudiag's own
+    # --format markdown); nvidia-smi never prints them.
+    return re.sub(r"[|*`]", " ", text.replace("\xa0", " "))
 
 
 def _header(line: str) -> tuple[list[str], list[str]] | None:
