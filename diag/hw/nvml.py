@@ -235,10 +235,11 @@ class NvmlBackend:
                 try:
                     active = nvml.nvmlDeviceGetNvLinkState(h, link)
                 except Exception as exc:
-                    # No such link (InvalidArgument) or no NVLink at all (NotSupported).
+                    # No such link (InvalidArgument) or no NVLink there (NotSupported): the
+                    # numbering of links can have gaps, so keep looking at the others.
                     if error_name(exc) not in ("InvalidArgument", "NotSupported"):
                         self._failed("nvlink", exc, i)
-                    break
+                    continue
                 if not active:
                     continue
                 kind = self._read("nvlink_remote", i, nvml.nvmlDeviceGetNvLinkRemoteDeviceType, h, link)
