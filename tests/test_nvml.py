@@ -122,3 +122,16 @@ def test_real_nvml_reads_this_machine() -> None:
     assert topo.gpus
     for info in topo.gpus.values():
         assert info.name and info.pci_bus_id and info.uuid
+
+
+def test_nvlinks_past_gaps_and_down_links_are_counted() -> None:
+    nvml = FakeNvml.from_file(NVML / "a100_4gpu_one_lost.json")
+    nvml.gpus[0]["nvlinks"] = [
+        {"remote": "unsupported", "links": 2},
+        {"remote": "down", "links": 1},
+        {"remote": "00000000:65:00.0", "links": 3},
+    ]
+    with NvmlBackend(nvml, env={}) as b:
+        topo = b.topology()
+    assert topo.cell("GPU0", "GPU1") == "NV3"
+    assert topo.cell("GPU1", "GPU0") == "NV12"  # GPU1 still reports its own 12 links

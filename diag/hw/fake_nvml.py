@@ -11,7 +11,8 @@ signatures, return shapes (ctypes-like masks, ``busId`` bytes) and error classes
      "gpus": [{"name": "NVIDIA GeForce RTX 5090", "pci_bus_id": "00000000:01:00.0",
                "uuid": "GPU-…", "memory_total_mib": 32607,
                "cpus": "0-63", "numa_nodes": "0", "numa_node_id": null,
-               "nvlinks": [{"remote": "00000000:02:00.0", "links": 4}],  # or "remote": "switch"
+               "nvlinks": [{"remote": "00000000:02:00.0", "links": 4}],  # or "switch",
+                                                         # "down", "unsupported"
                "lost": false,
                "errors": {"nvmlDeviceGetUUID": "NoPermission"}}],
      "paths": [["X", "PHB"], ["PHB", "X"]],    # common ancestor as nvidia-smi codes
@@ -197,7 +198,9 @@ class FakeNvml:
             _raise("NotSupported")
         if link >= len(links):
             _raise("InvalidArgument")
-        return 1
+        if links[link] == "unsupported":  # a gap in the link numbering
+            _raise("NotSupported")
+        return 0 if links[link] == "down" else 1
 
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: int, link: int) -> int:
         gpu = self._call("nvmlDeviceGetNvLinkRemoteDeviceType", h)
