@@ -178,3 +178,14 @@ def test_debug_shows_the_traceback() -> None:
     result = CliRunner().invoke(cli, ["--debug", "topology", "--from-file", "/nonexistent"])
     assert result.exit_code != 0
     assert result.exception is not None
+
+
+def test_names_with_brackets_are_printed_literally(tmp_path: Path) -> None:
+    machine = tmp_path / "m.json"
+    run("topology", "--from-file", SEED, "--save-machine", str(machine))
+    data = json.loads(machine.read_text())
+    data["gpus"][0]["name"] = "Odd [/] GPU [bold]"
+    machine.write_text(json.dumps(data))
+    result = run("topology", "--machine", str(machine))
+    assert result.exit_code == 0
+    assert "Odd [/] GPU [bold]" in result.output

@@ -79,13 +79,13 @@ def findings(out: Any, items: list[Any], title: str) -> None:
 
 
 def topology(report: Any, stream: TextIO) -> None:
-
     with text_console(stream) as out:
         _topology(out, report)
 
 
 def _topology(out: Any, report: Any) -> None:
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     topo = report.topology
@@ -104,10 +104,10 @@ def _topology(out: Any, report: Any) -> None:
             torch = ("hidden" if g.torch_index is None else f"cuda:{g.torch_index}",)
             table.add_row(
                 str(g.index),
-                g.name or "N/A",
+                escape(g.name or "N/A"),
                 g.pci_bus_id or "N/A",
                 f"{g.memory_total_mib} MiB" if g.memory_total_mib is not None else "N/A",
-                g.uuid or "N/A",
+                escape(g.uuid or "N/A"),
                 *(torch if live else ()),
             )
         out.print(table)
@@ -122,11 +122,11 @@ def _topology(out: Any, report: Any) -> None:
     for row in topo.labels:
         cells = [styled(topo.cell(row, col)) for col in topo.labels]
         info = topo.gpus.get(row)
-        extra = [(getattr(info, key) or "N/A") if info else "" for key, _ in affinity]
+        extra = [escape(getattr(info, key) or "N/A") if info else "" for key, _ in affinity]
         matrix.add_row(f"[bold]{row}[/bold]", *cells, *extra)
     out.print(matrix)
     if topo.nic_legend:
-        out.print("NICs: " + ", ".join(f"{k} = {v}" for k, v in topo.nic_legend.items()))
+        out.print(escape("NICs: " + ", ".join(f"{k} = {v}" for k, v in topo.nic_legend.items())))
 
     if report.pairs:
         out.print("\n[bold]GPU pairs, best first[/bold]")
