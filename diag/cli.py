@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import click
+
 from gpudiag import __version__
 from gpudiag.errors import EXIT_PROBLEM, GpudiagError
 

@@ -6,7 +6,6 @@ from gpudiag.hw.fake_nvml import FakeNvml
 from gpudiag.hw.nvml import NvmlBackend
 from gpudiag.topology import parse_capture
 from gpudiag.topology.analysis import analyze, best_groups
-
 from tests.conftest import NVML, capture
 
 

@@ -4,8 +4,8 @@ repaired or refused with the line named."""
 from __future__ import annotations
 
 import pytest
-from gpudiag.topology import CaptureError, parse_capture
 
+from gpudiag.topology import CaptureError, parse_capture
 from tests.conftest import TOPO, capture
 
 NIC = [f"NIC{i}" for i in range(12)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 
-from gpudiag.topology import CaptureError, Topology, parse_capture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpudiag.topology import CaptureError, Topology, parse_capture
 from tests.conftest import TOPO
 
 CAPTURES = {p.name: p.read_text(encoding="utf-8") for p in sorted(TOPO.glob("*.txt"))}

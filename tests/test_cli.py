@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from gpudiag.cli import cli
 
+from gpudiag.cli import cli
 from tests.conftest import GOLDEN, NVML, TOPO
 
 SEED = str(TOPO / "seed_8gpu_nv4_pairs_node_sys.txt")

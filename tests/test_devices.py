@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from gpudiag.hw.devices import bus_id_from_torch, map_torch_indices, normalize_bus_id
-from gpudiag.topology.model import GpuInfo
 from hypothesis import given
 from hypothesis import strategies as st
+
+from gpudiag.hw.devices import bus_id_from_torch, map_torch_indices, normalize_bus_id
+from gpudiag.topology.model import GpuInfo
 
 
 def gpus(names: list[str]) -> list[GpuInfo]:

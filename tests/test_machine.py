@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+
 from gpudiag.errors import InputError
 from gpudiag.hw.fake_nvml import FakeNvml
 from gpudiag.hw.machine import MachineBackend, MachineFileError, load_machine, save_machine, to_json
 from gpudiag.hw.nvml import NvmlBackend
 from gpudiag.topology import parse_capture
 from gpudiag.topology.analysis import analyze
-
 from tests.conftest import NVML, TOPO, capture
 
 TOPO_CAPTURES = [

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from gpudiag.hw.fake_nvml import FakeNvml
 from gpudiag.hw.nvml import NvmlBackend, NvmlUnavailable, cpu_list
-
 from tests.conftest import NVML
 
 

@@ -1,0 +1,237 @@
+"""Real ``DistributedDataParallel`` ranks, watched by a communication hook.
+
+Each rank builds the model with the run's seed, wraps it in
+``torch.nn.parallel.DistributedDataParallel`` (gloo on CPU, nccl on CUDA) and trains on
+its contiguous ``torch.chunk`` shard of the global batch — rank r gets chunk r.
+
+Watching registers :func:`watch_hook`, which does exactly what torch's default
+``allreduce_hook`` does (divide by the world size, all-reduce, use the result) and also
+keeps, per bucket, the norm and NaN/Inf count before and after the all-reduce — as
+tensors, read back with one host sync per step (:meth:`HookState.flush`). Faults corrupt
+what rank DST receives from the all-reduce. With watching off and no faults, DDP runs
+with torch's default hook: the runtime adds nothing.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpudiag.errors import InputError
+from gpudiag.runtime.faults import FaultPlan, corrupt
+from gpudiag.runtime.launch import launch
+from gpudiag.runtime.record import Bucket, Recorder, StepRecord
+from gpudiag.runtime.run import (
+    ModelFn,
+    RunConfig,
+    RunResult,
+    Stepper,
+    build_model,
+    digest,
+    micro_batches,
+    pack,
+    recorder_from_data,
+    recorder_to_data,
+    sync_batchnorm_note,
+    unpack,
+)
+
+
+@dataclass
+class HookState:
+    """Per-rank state of :func:`watch_hook`: pending per-bucket statistics (tensors)."""
+
+    rank: int
+    world_size: int
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    step: int = 1
+    pending: list[tuple[int, int, torch.Tensor, list[str], float]] = field(default_factory=list)
+    after: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def flush(self, recorder: Recorder) -> None:
+        """Turn this step's pending statistics into :class:`Bucket` events with one host
+        sync; with recording off just forget them."""
+        if not self.pending or not recorder.enabled:
+            self.pending.clear()
+            self.after.clear()
+            return
+        stacked = torch.stack([torch.cat([before, self.after[i]]) for i, _, before, _, _ in self.pending])
+        values = stacked.tolist()
+        for (index, numel, _, faults, when), (nb, fb, na, fa) in zip(self.pending, values, strict=True):
+            recorder.buckets.append(
+                Bucket(
+                    self.step,
+                    self.rank,
+                    index,
+                    numel,
+                    nb,
+                    int(fb),
+                    na,
+                    int(fa),
+                    faults,
+                    when - recorder.origin,
+                )
+            )
+        self.pending.clear()
+        self.after.clear()
+
+
+def _norm_and_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
+    data = tensor.detach().float()
+    return torch.stack([torch.linalg.vector_norm(data), (~torch.isfinite(data)).sum().float()])
+
+
+def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``allreduce_hook`` plus per-bucket statistics and fault injection."""
+    tensor = bucket.buffer()
+    index = bucket.index()
+    before = _norm_and_nonfinite(tensor)
+    tensor.div_(state.world_size)
+    due = state.faults.due_on_rank(state.rank, state.step) if state.faults else []
+    state.pending.append((index, tensor.numel(), before, [f.text for f in due], time.perf_counter()))
+    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        result = fut.value()[0]
+        for fault in due:
+            result.copy_(corrupt(result, fault))
+        state.after[index] = _norm_and_nonfinite(result)
+        return result
+
+    return future.then(finish)
+
+
+def run_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
+    """Launch one process per device of ``config.devices`` and run DDP steps."""
+    world = len(config.devices)
+    shards = len(targets.chunk(world))
+    if shards < world:
+        raise InputError(f"a batch of {len(targets)} gives {shards} shard(s) for {world} DDP ranks")
+    backend = "gloo" if config.devices.kind == "virtual" else "nccl"
+    origin = time.perf_counter()
+    payloads = launch(
+        _rank,
+        world,
+        backend=backend,
+        timeout=config.timeout,
+        args=(model_fn, inputs, targets, config, origin),
+    )
+    ranks = [unpack(p) for p in payloads]
+    recorder = Recorder(enabled=config.watch, origin=origin)
+    for data in ranks:
+        recorder_from_data(recorder, data["recorder"])
+    first = ranks[0]
+    notes = [sync_batchnorm_note("ddp")] if config.sync_batchnorm and backend == "gloo" else []
+    return RunResult(
+        strategy="ddp",
+        losses=first["losses"],
+        grads=first["grads"],
+        params=first["params"],
+        buffers=first["buffers"],
+        recorder=recorder,
+        notes=notes,
+        rank_losses=[r["losses"] for r in ranks],
+        rank_digests=[r["digests"] for r in ranks],
+    )
+
+
+def _shard(inputs: Any, rank: int, world: int) -> Any:
+    if isinstance(inputs, tuple):
+        return tuple(x.chunk(world)[rank] for x in inputs)
+    return inputs.chunk(world)[rank]
+
+
+def _buffer_sync(broadcast: bool) -> dict[str, bool]:
+    """DDP's buffer-broadcast option: ``broadcast_buffers`` was renamed
+    ``forward_sync_buffers`` in newer torch (the old name warns); the default needs neither."""
+    if broadcast:
+        return {}
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = inspect.signature(DistributedDataParallel.__init__).parameters
+    return (
+        {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
+    )
+
+
+def _rank(
+    rank: int,
+    world: int,
+    model_fn: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    config: RunConfig,
+    origin: float,
+) -> bytes:
+    """One DDP rank: build, wrap, train on the shard, return everything as bytes."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    cuda = config.devices.kind == "cuda"
+    device = config.devices.torch_device(config.devices.ids[rank])
+    if cuda:
+        torch.cuda.set_device(device)
+    model = build_model(model_fn, config.seed).to(device)
+    if config.sync_batchnorm and cuda:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if cuda else None,
+        find_unused_parameters=config.find_unused_parameters,
+        **_buffer_sync(config.broadcast_buffers),
+    )
+    recorder = Recorder(enabled=config.watch, origin=origin)
+    faults = FaultPlan.parse(config.faults)
+    state = HookState(rank, world, faults)
+    if config.watch or faults:
+        ddp.register_comm_hook(state, watch_hook)
+
+    def forward(x: Any) -> Any:
+        return ddp(*(x if isinstance(x, tuple) else (x,)))
+
+    stepper = Stepper(ddp.module, config, forward)
+    shard_inputs, shard_targets = _shard(inputs, rank, world), targets.chunk(world)[rank]
+    losses, digests = [], []
+    for step in range(1, config.steps + 1):
+        state.step = step
+        start = recorder.now()
+        stepper.zero()
+        micro = list(
+            zip(
+                micro_batches(shard_inputs, config.accumulate),
+                shard_targets.chunk(config.accumulate),
+                strict=True,
+            )
+        )
+        total = 0.0
+        for i, (x, y) in enumerate(micro):
+            x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    total += float(stepper.micro_step(x, y))
+            else:
+                total += float(stepper.micro_step(x, y))
+        state.flush(recorder)
+        stepper.finish(step)
+        loss = total / len(micro)
+        losses.append(loss if math.isfinite(loss) else float("nan"))
+        if recorder.enabled:
+            recorder.steps.append(StepRecord(step, loss, start, recorder.now(), rank))
+        if config.track_params:
+            digests.append(digest(ddp.module))
+    module = ddp.module
+    return pack(
+        {
+            "losses": losses,
+            "digests": digests,
+            "grads": stepper.first_grads,
+            "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()},
+            "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()},
+            "recorder": recorder_to_data(recorder),
+        }
+    )

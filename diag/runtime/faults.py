@@ -1,0 +1,152 @@
+"""Fault injection: one grammar for every command that runs the runtime.
+
+``--inject SRC->DST:KIND[@STEP][xCOUNT]`` (repeatable):
+
+- ``SRC``, ``DST``: device (``dp``) or rank (``ddp``) numbers, or ``*`` for any;
+- ``KIND``: ``nan`` / ``inf`` (the first element becomes NaN / +inf), ``zero`` (all zeros),
+  ``bitflip`` (flips the top exponent bit of the first element) or ``scale=F`` (all × F);
+- ``@STEP``: the first step it applies to (1-based; default 1);
+- ``xCOUNT``: how many transfers it hits (default: every one from STEP on).
+
+In ``dp`` a fault corrupts what arrives at DST over a transfer from SRC (any phase). In
+``ddp`` it corrupts what rank DST receives from the all-reduce, attributed to link SRC→DST.
+Examples: ``5->6:nan@3``, ``*->1:bitflip x2``, ``0->1:scale=1e4@2x1``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.errors import InputError
+
+GRAMMAR = (
+    "SRC->DST:KIND[@STEP][xCOUNT] with KIND one of nan, inf, zero, bitflip, scale=F; SRC/DST a number or *"
+)
+KINDS = ("nan", "inf", "zero", "bitflip", "scale")
+
+_SPEC = re.compile(
+    r"^\s*(?P<src>\*|\d+)\s*->\s*(?P<dst>\*|\d+)\s*:\s*(?P<kind>nan|inf|zero|bitflip|scale=(?P<factor>[^@x\s]+))"
+    r"\s*(?:@\s*(?P<step>\d+))?\s*(?:x\s*(?P<count>\d+))?\s*$"
+)
+#: The top exponent bit per element size in bytes: flipping it turns 1.0 into inf/huge.
+_EXPONENT_BIT = {2: 14, 4: 30, 8: 62}
+
+
+class InjectSpecError(InputError):
+    """A malformed ``--inject`` value (exit 2); the message shows the grammar."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One parsed ``--inject`` spec. ``src``/``dst`` None means any."""
+
+    src: int | None
+    dst: int | None
+    kind: str
+    step: int = 1
+    count: int | None = None
+    factor: float = 1.0
+
+    @property
+    def text(self) -> str:
+        src = "*" if self.src is None else str(self.src)
+        dst = "*" if self.dst is None else str(self.dst)
+        kind = f"scale={self.factor:g}" if self.kind == "scale" else self.kind
+        tail = f"@{self.step}" + (f"x{self.count}" if self.count is not None else "")
+        return f"{src}->{dst}:{kind}{tail}"
+
+    def matches(self, src: int, dst: int, step: int) -> bool:
+        return (
+            (self.src is None or self.src == src)
+            and (self.dst is None or self.dst == dst)
+            and step >= self.step
+        )
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse one spec; :class:`InjectSpecError` shows the grammar on failure."""
+    match = _SPEC.match(spec)
+    if match is None:
+        raise InjectSpecError(f"bad --inject {spec!r}: expected {GRAMMAR}")
+    factor = 1.0
+    kind = match.group("kind")
+    if kind.startswith("scale="):
+        try:
+            factor = float(match.group("factor"))
+        except ValueError:
+            raise InjectSpecError(f"bad --inject {spec!r}: scale=F needs a number, e.g. scale=1e4") from None
+        kind = "scale"
+    step = int(match.group("step") or 1)
+    if step < 1:
+        raise InjectSpecError(f"bad --inject {spec!r}: STEP counts from 1")
+    count = None if match.group("count") is None else int(match.group("count"))
+    if count == 0:
+        raise InjectSpecError(f"bad --inject {spec!r}: xCOUNT must be at least 1")
+    src = None if match.group("src") == "*" else int(match.group("src"))
+    dst = None if match.group("dst") == "*" else int(match.group("dst"))
+    return Fault(src, dst, kind, step, count, factor)
+
+
+@dataclass
+class FaultPlan:
+    """The faults of a run and how many transfers each has hit so far."""
+
+    faults: list[Fault] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.hits = [0] * len(self.faults)
+
+    @classmethod
+    def parse(cls, specs: list[str] | tuple[str, ...]) -> FaultPlan:
+        return cls([parse_fault(s) for s in specs])
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def due(self, src: int, dst: int, step: int) -> list[Fault]:
+        """The faults that hit this transfer, counted as used."""
+        out = []
+        for i, fault in enumerate(self.faults):
+            if fault.matches(src, dst, step) and (fault.count is None or self.hits[i] < fault.count):
+                self.hits[i] += 1
+                out.append(fault)
+        return out
+
+    def due_on_rank(self, rank: int, step: int) -> list[Fault]:
+        """DDP: the faults that hit what ``rank`` receives from one all-reduce (the SRC of a
+        fault only names the link it is attributed to)."""
+        out = []
+        for i, fault in enumerate(self.faults):
+            hit = (fault.dst is None or fault.dst == rank) and step >= fault.step
+            if hit and (fault.count is None or self.hits[i] < fault.count):
+                self.hits[i] += 1
+                out.append(fault)
+        return out
+
+
+def corrupt(tensor: Any, fault: Fault) -> Any:
+    """Return a corrupted copy of ``tensor`` (floating point; others are left as they are)."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return tensor
+    out = tensor.detach().clone()
+    flat = out.view(-1)
+    if fault.kind == "nan":
+        flat[0] = math.nan
+    elif fault.kind == "inf":
+        flat[0] = math.inf
+    elif fault.kind == "zero":
+        flat.zero_()
+    elif fault.kind == "scale":
+        flat.mul_(fault.factor)
+    elif fault.kind == "bitflip":
+        size = out.element_size()
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+        bits = flat[:1].view(ints)
+        bits ^= 1 << _EXPONENT_BIT[size]
+    return out

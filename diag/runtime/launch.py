@@ -1,0 +1,212 @@
+"""Start ranks bounded and reaped, or join a group that ``torchrun`` started.
+
+``launch(fn, world_size, ...)`` runs ``fn(rank, world_size, *args) -> bytes`` once per
+rank inside an initialised ``torch.distributed`` process group and returns the bytes of
+every rank, rank order.
+
+- Local launch: one process per rank. ``fork`` when the parent holds no CUDA context
+  (no fresh interpreter, no second torch import: ranks start in milliseconds);
+  ``forkserver`` with torch preloaded otherwise. The rendezvous is a FileStore in a private
+  temporary folder, so no port is chosen and concurrent runs cannot collide; gloo/nccl
+  pick free ephemeral ports for their own connections.
+- Results come back as files the ranks write (bytes), never as shared-memory tensors.
+- Every wait has a deadline. A rank that raises → :class:`RankFailure` ``rank-crashed``
+  with its traceback; no answer by the deadline → ``rank-hung``. Either way every rank
+  process is terminated and reaped before the error is raised.
+- Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) nothing is
+  launched: this process joins the group (``env://``) as its rank, runs ``fn`` and
+  all-gathers the results, so multi-node runs use torch.distributed's own launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gpudiag.errors import EXIT_PROBLEM, GpudiagError
+
+RankFn = Callable[..., bytes]
+_POLL_S = 0.02
+_GRACE_S = 2.0
+
+
+class RankFailure(GpudiagError):
+    """A rank crashed or stopped answering (exit 1). ``code`` is the finding code."""
+
+    exit_code = EXIT_PROBLEM
+
+    def __init__(self, code: str, rank: int, message: str, detail: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.rank = rank
+        self.detail = detail
+
+
+def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process was started by torchrun (or another env:// launcher)."""
+    env = os.environ if env is None else env
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def start_method(backend: str) -> str:
+    """``fork`` for CPU ranks when this process holds no CUDA context, else forkserver."""
+    import torch
+
+    if backend == "gloo" and not torch.cuda.is_initialized():
+        return "fork"
+    return "forkserver"
+
+
+def launch(
+    fn: RankFn,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    args: tuple[Any, ...] = (),
+) -> list[bytes]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; the bytes each returned."""
+    if torchrun_env():
+        return _join_torchrun(fn, backend, timeout, args)
+    method = start_method(backend)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch"])
+    folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
+    procs = []
+    try:
+        for rank in range(world_size):
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, backend, str(folder), timeout, args),
+                name=f"gpudiag-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        return _wait(procs, folder, timeout)
+    finally:
+        _reap(procs)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait(procs: list[Any], folder: Path, timeout: float) -> list[bytes]:
+    deadline = time.monotonic() + timeout
+    done: dict[int, bytes] = {}
+    while len(done) < len(procs):
+        for rank, proc in enumerate(procs):
+            if rank in done:
+                continue
+            error = folder / f"rank{rank}.err"
+            if error.exists():
+                detail = error.read_text(errors="replace")
+                last = detail.strip().splitlines()[-1] if detail.strip() else "unknown error"
+                raise RankFailure("rank-crashed", rank, f"rank {rank} crashed: {last}", detail)
+            result = folder / f"rank{rank}.out"
+            if result.exists():
+                done[rank] = result.read_bytes()
+            elif proc.exitcode is not None:
+                if error.exists():
+                    continue  # written between the two checks; read on the next pass
+                raise RankFailure(
+                    "rank-crashed",
+                    rank,
+                    f"rank {rank} exited with code {proc.exitcode} without a result",
+                    _exit_reason(proc.exitcode),
+                )
+        if len(done) < len(procs):
+            if time.monotonic() > deadline:
+                silent = [r for r in range(len(procs)) if r not in done]
+                raise RankFailure(
+                    "rank-hung",
+                    silent[0],
+                    f"rank {', '.join(map(str, silent))} gave no answer within {timeout:g} s",
+                    "no result and no error before the deadline; the ranks were killed",
+                )
+            time.sleep(_POLL_S)
+    return [done[r] for r in range(len(procs))]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _reap(procs: list[Any]) -> None:
+    """Terminate every rank still running, then kill what ignores it, and wait for all."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _rank_main(
+    fn: RankFn, rank: int, world_size: int, backend: str, folder: str, timeout: float, args: tuple[Any, ...]
+) -> None:
+    """Body of a rank process: join the group, run, write the result or the traceback."""
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{folder}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            payload = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        _write(Path(folder) / f"rank{rank}.out", payload)
+    except BaseException:
+        code = 1
+        _write(Path(folder) / f"rank{rank}.err", traceback.format_exc().encode())
+    finally:
+        # Leave without running the parent's atexit handlers and finalizers (forked child).
+        os._exit(code)
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ...]) -> list[bytes]:
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    try:
+        payload = fn(rank, world_size, *args)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, payload)
+        return [bytes(g) for g in gathered]
+    finally:
+        if created:
+            dist.destroy_process_group()

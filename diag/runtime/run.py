@@ -1,0 +1,297 @@
+"""Run training steps of a model under one strategy and return what happened.
+
+``run(model_fn, inputs, targets, config) -> RunResult`` is the one interface every
+comparison and divergence check uses:
+
+- ``single``: the whole batch on the first device (the reference);
+- ``dp``: DataParallel semantics (:mod:`gpudiag.runtime.dp`) over the device set;
+- ``ddp``: real ``DistributedDataParallel``, one process per rank (gloo on CPU, nccl on
+  CUDA), each rank on the contiguous ``torch.chunk`` shard of the same global batch.
+
+Each step: zero the gradients, forward (under autocast for bf16/fp16), loss, backward
+(through a GradScaler for fp16), optimizer step (SGD or Adam; ``none`` skips it). With
+``accumulate=K`` the batch is split into K micro-batches whose losses are divided by K;
+DDP skips the all-reduce on all but the last (``no_sync``). The model is built by
+``model_fn()`` after ``torch.manual_seed(seed)``, so every strategy starts from the same
+weights; the factory's train/eval mode is kept (eval makes BatchNorm use running stats).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpudiag.errors import InputError
+from gpudiag.findings import Finding
+from gpudiag.runtime.devices import DeviceSet
+from gpudiag.runtime.dp import dp_forward
+from gpudiag.runtime.faults import FaultPlan
+from gpudiag.runtime.record import Bucket, Phase, Recorder, StepRecord, Transfer
+from gpudiag.runtime.transport import Transport
+
+ModelFn = Callable[[], nn.Module]
+Strategy = Literal["single", "dp", "ddp"]
+STRATEGIES = ("single", "dp", "ddp")
+LOSSES = ("ce", "ce-sum", "mse", "mse-sum")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to run. ``faults`` are ``--inject`` specs (see :mod:`gpudiag.runtime.faults`)."""
+
+    strategy: Strategy
+    devices: DeviceSet
+    steps: int = 1
+    optimizer: Literal["sgd", "adam", "none"] = "sgd"
+    lr: float = 0.01
+    loss: str = "ce"
+    dtype: str = "fp32"
+    accumulate: int = 1
+    seed: int = 0
+    watch: bool = True
+    faults: tuple[str, ...] = ()
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False
+    track_params: bool = False  # ddp: digest every rank's parameters after every step
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InputError(f"unknown strategy {self.strategy!r} (expected {', '.join(STRATEGIES)})")
+        if self.loss not in LOSSES:
+            raise InputError(f"unknown loss {self.loss!r} (expected {', '.join(LOSSES)})")
+        if self.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r} (expected {', '.join(DTYPES)})")
+        if self.steps < 1 or self.accumulate < 1:
+            raise InputError("steps and accumulate must be at least 1")
+
+
+@dataclass
+class RunResult:
+    """What a run produced. Tensors are on the CPU.
+
+    ``grads``: parameter gradients of the first optimizer step (unscaled, before the
+    step; for ddp: rank 0's, i.e. the all-reduced average). ``params``/``buffers``: after
+    the last step. ``losses``: per step (ddp: rank 0's local loss). ``rank_digests``
+    (ddp with ``track_params``): per rank, a digest of all parameters after each step.
+    """
+
+    strategy: str
+    losses: list[float]
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    recorder: Recorder
+    notes: list[Finding] = field(default_factory=list)
+    rank_losses: list[list[float]] = field(default_factory=list)
+    rank_digests: list[list[str]] = field(default_factory=list)
+
+
+def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
+    """Run ``config.steps`` steps of ``model_fn()`` on ``(inputs, targets)``."""
+    FaultPlan.parse(config.faults)  # bad specs fail here, before anything starts
+    if config.strategy == "ddp":
+        from gpudiag.runtime.ddp import run_ddp
+
+        return run_ddp(model_fn, inputs, targets, config)
+    return _run_local(model_fn, inputs, targets, config)
+
+
+def build_model(model_fn: ModelFn, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise InputError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer | None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.lr)
+    return None
+
+
+def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``ce``/``mse`` with mean reduction, ``ce-sum``/``mse-sum`` with sum (in fp32)."""
+    reduction = "sum" if name.endswith("-sum") else "mean"
+    output = output.float()
+    if name.startswith("ce"):
+        return F.cross_entropy(output, target, reduction=reduction)
+    return F.mse_loss(output, target.to(output.dtype), reduction=reduction)
+
+
+def device_type(devices: DeviceSet) -> str:
+    return "cpu" if devices.kind == "virtual" else "cuda"
+
+
+class Stepper:
+    """The training step shared by every strategy: autocast, loss, backward, scaler, step."""
+
+    def __init__(self, model: nn.Module, config: RunConfig, forward: Callable[[Any], Any]):
+        self.model = model
+        self.config = config
+        self.forward = forward
+        self.optimizer = make_optimizer(model, config)
+        kind = device_type(config.devices)
+        self.autocast = torch.autocast(kind, dtype=DTYPES[config.dtype]) if config.dtype != "fp32" else None
+        self.scaler = torch.amp.GradScaler(kind) if config.dtype == "fp16" else None
+        self.first_grads: dict[str, torch.Tensor] = {}
+
+    def micro_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns the (unscaled) loss."""
+        if self.autocast is not None:
+            with self.autocast:
+                output = self.forward(inputs)
+        else:
+            output = self.forward(inputs)
+        loss = loss_fn(self.config.loss, output, targets.to(output.device))
+        scaled = loss / self.config.accumulate
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach()
+
+    def finish(self, step: int) -> None:
+        """Unscale, keep the first step's gradients, and step the optimizer."""
+        if self.scaler is not None and self.optimizer is not None:
+            self.scaler.unscale_(self.optimizer)
+        if step == 1:
+            self.first_grads = {
+                n: p.grad.detach().float().cpu().clone()
+                for n, p in self.model.named_parameters()
+                if p.grad is not None
+            }
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+
+    def zero(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
+    devices = config.devices
+    recorder = Recorder(enabled=config.watch)
+    transport = Transport(devices, recorder, FaultPlan.parse(config.faults))
+    model = build_model(model_fn, config.seed).to(devices.torch_device(devices.ids[0]))
+    notes: list[Finding] = []
+    if config.sync_batchnorm:
+        notes.append(sync_batchnorm_note(config.strategy))
+
+    def forward(x: Any) -> Any:
+        args = x if isinstance(x, tuple) else (x,)
+        if config.strategy == "single":
+            return model(*args)
+        return dp_forward(model, args, {}, transport)
+
+    stepper = Stepper(model, config, forward)
+    losses = []
+    for step in range(1, config.steps + 1):
+        transport.step = step
+        start = recorder.now()
+        stepper.zero()
+        total = torch.zeros(())
+        pieces = list(
+            zip(micro_batches(inputs, config.accumulate), targets.chunk(config.accumulate), strict=True)
+        )
+        for micro_inputs, micro_targets in pieces:
+            total = total + stepper.micro_step(_to(micro_inputs, devices), micro_targets).float().cpu()
+        stepper.finish(step)
+        loss = float(total / len(pieces))
+        losses.append(loss)
+        if recorder.enabled:
+            recorder.steps.append(StepRecord(step, loss, start, recorder.now()))
+    return RunResult(
+        strategy=config.strategy,
+        losses=losses,
+        grads=stepper.first_grads,
+        params=_cpu(dict(model.named_parameters())),
+        buffers=_cpu(dict(model.named_buffers())),
+        recorder=recorder,
+        notes=notes,
+    )
+
+
+def sync_batchnorm_note(strategy: str) -> Finding:
+    """SyncBatchNorm needs CUDA (torch refuses CPU modules) and only applies to DDP."""
+    why = (
+        "SyncBatchNorm only works with DistributedDataParallel"
+        if strategy != "ddp"
+        else "torch's SyncBatchNorm refuses CPU tensors, so it cannot run over gloo on CPU"
+    )
+    return Finding(
+        "syncbn-skipped",
+        "warning",
+        f"SyncBatchNorm was not used: {why}; BatchNorm statistics stay per replica",
+        {"strategy": strategy},
+        fix="run on CUDA devices with ddp to compare with SyncBatchNorm",
+    )
+
+
+def micro_batches(inputs: Any, count: int) -> list[Any]:
+    """``inputs`` (a tensor or a tuple of tensors) split into ``count`` micro-batches."""
+    if count == 1:
+        return [inputs]
+    if isinstance(inputs, tuple):
+        parts = [x.chunk(count) for x in inputs]
+        return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
+    return list(inputs.chunk(count))
+
+
+def _to(inputs: Any, devices: DeviceSet) -> Any:
+    target = devices.torch_device(devices.ids[0])
+    if isinstance(inputs, tuple):
+        return tuple(x.to(target) for x in inputs)
+    return inputs.to(target)
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().cpu().clone() for n, t in tensors.items()}
+
+
+def digest(model: nn.Module) -> str:
+    """A digest of every parameter's bytes: equal digests mean identical parameters."""
+    h = hashlib.blake2b(digest_size=16)
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def pack(obj: Any) -> bytes:
+    """Tensors and plain data → bytes (loadable with ``weights_only=True``)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def recorder_to_data(recorder: Recorder) -> dict[str, Any]:
+    return {
+        "transfers": [asdict(t) for t in recorder.transfers],
+        "buckets": [asdict(b) for b in recorder.buckets],
+        "phases": [asdict(p) for p in recorder.phases],
+        "steps": [asdict(s) for s in recorder.steps],
+    }
+
+
+def recorder_from_data(recorder: Recorder, data: dict[str, Any]) -> None:
+    recorder.transfers += [Transfer(**t) for t in data["transfers"]]
+    recorder.buckets += [Bucket(**b) for b in data["buckets"]]
+    recorder.phases += [Phase(**p) for p in data["phases"]]
+    recorder.steps += [StepRecord(**s) for s in data["steps"]]
