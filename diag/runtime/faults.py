@@ -66,25 +66,29 @@ class Fault:
         )
 
 
+def _bad(spec: str, why: str = "") -> InjectSpecError:
+    return InjectSpecError(f"bad --inject {spec!r}: {why + '; ' if why else ''}expected {GRAMMAR}")
+
+
 def parse_fault(spec: str) -> Fault:
     """Parse one spec; :class:`InjectSpecError` shows the grammar on failure."""
     match = _SPEC.match(spec)
     if match is None:
-        raise InjectSpecError(f"bad --inject {spec!r}: expected {GRAMMAR}")
+        raise _bad(spec)
     factor = 1.0
     kind = match.group("kind")
     if kind.startswith("scale="):
         try:
             factor = float(match.group("factor"))
         except ValueError:
-            raise InjectSpecError(f"bad --inject {spec!r}: scale=F needs a number, e.g. scale=1e4") from None
+            raise _bad(spec, "scale=F needs a number, e.g. scale=1e4") from None
         kind = "scale"
     step = int(match.group("step") or 1)
     if step < 1:
-        raise InjectSpecError(f"bad --inject {spec!r}: STEP counts from 1")
+        raise _bad(spec, "STEP counts from 1")
     count = None if match.group("count") is None else int(match.group("count"))
     if count == 0:
-        raise InjectSpecError(f"bad --inject {spec!r}: xCOUNT must be at least 1")
+        raise _bad(spec, "xCOUNT must be at least 1")
     src = None if match.group("src") == "*" else int(match.group("src"))
     dst = None if match.group("dst") == "*" else int(match.group("dst"))
     return Fault(src, dst, kind, step, count, factor)
