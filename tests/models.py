@@ -70,6 +70,8 @@ class DictInput(nn.Module):
         return {"logits": out, "pair": (out.sum(dim=1), extra[1])}
 
 
-def batch(n: int = 8, features: int = 8, classes: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    n: int = 8, features: int = 8, classes: int = 4, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)

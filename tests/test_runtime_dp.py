@@ -111,7 +111,9 @@ def test_every_phase_is_recorded_with_bytes_and_checksums() -> None:
 def test_each_fault_kind_is_recorded_at_the_right_step_link_and_phase(kind: str) -> None:
     x, y = models.batch(8)
     spec = f"1->0:{kind}@2x1"
-    result = run(models.mlp, x, y, RunConfig("dp", DeviceSet.virtual([0, 1], SEED_MACHINE), steps=3, faults=(spec,)))
+    result = run(
+        models.mlp, x, y, RunConfig("dp", DeviceSet.virtual([0, 1], SEED_MACHINE), steps=3, faults=(spec,))
+    )
     hit = [t for t in result.recorder.transfers if t.faults]
     assert len(hit) == 1
     (t,) = hit

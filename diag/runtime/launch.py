@@ -37,6 +37,7 @@ from gpudiag.errors import EXIT_PROBLEM, GpudiagError
 RankFn = Callable[..., bytes]
 _POLL_S = 0.02
 _GRACE_S = 2.0
+_SETTLE_S = 0.3
 
 
 class RankFailure(GpudiagError):
@@ -108,9 +109,7 @@ def _wait(procs: list[Any], folder: Path, timeout: float) -> list[bytes]:
                 continue
             error = folder / f"rank{rank}.err"
             if error.exists():
-                detail = error.read_text(errors="replace")
-                last = detail.strip().splitlines()[-1] if detail.strip() else "unknown error"
-                raise RankFailure("rank-crashed", rank, f"rank {rank} crashed: {last}", detail)
+                raise _first_crash(folder, len(procs))
             result = folder / f"rank{rank}.out"
             if result.exists():
                 done[rank] = result.read_bytes()
@@ -134,6 +133,25 @@ def _wait(procs: list[Any], folder: Path, timeout: float) -> list[bytes]:
                 )
             time.sleep(_POLL_S)
     return [done[r] for r in range(len(procs))]
+
+
+def _first_crash(folder: Path, world_size: int) -> RankFailure:
+    """The rank that failed first: once one rank fails its peers fail too (connection
+    closed), so wait a moment for their reports and blame the earliest."""
+    time.sleep(_SETTLE_S)
+    reports = []
+    for rank in range(world_size):
+        path = folder / f"rank{rank}.err"
+        if path.exists():
+            reports.append((path.stat().st_mtime_ns, rank, path.read_text(errors="replace")))
+    reports.sort()
+    _, rank, text = reports[0]
+    summary, _, detail = text.partition("\n")
+    others = [r for _, r, _ in reports[1:]]
+    message = f"rank {rank} crashed: {summary}"
+    if others:
+        message += f" (then rank {', '.join(map(str, others))} failed too)"
+    return RankFailure("rank-crashed", rank, message, detail)
 
 
 def _exit_reason(code: int) -> str:
@@ -181,9 +199,10 @@ def _rank_main(
         finally:
             dist.destroy_process_group()
         _write(Path(folder) / f"rank{rank}.out", payload)
-    except BaseException:
+    except BaseException as exc:
         code = 1
-        _write(Path(folder) / f"rank{rank}.err", traceback.format_exc().encode())
+        summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        _write(Path(folder) / f"rank{rank}.err", (summary + "\n" + traceback.format_exc()).encode())
     finally:
         # Leave without running the parent's atexit handlers and finalizers (forked child).
         os._exit(code)
