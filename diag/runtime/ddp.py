@@ -39,67 +39,74 @@ from gpudiag.runtime.run import (
     sync_batchnorm_note,
     unpack,
 )
+from gpudiag.runtime.stats import norm_and_nonfinite
+
+
+@dataclass
+class _Pending:
+    index: int
+    before: torch.Tensor  # [norm, non-finite count] of the local gradient
+    faults: list[str]
+    time: float
+    result: torch.Tensor | None = None  # the bucket buffer after the all-reduce
 
 
 @dataclass
 class HookState:
-    """Per-rank state of :func:`watch_hook`: pending per-bucket statistics (tensors)."""
+    """Per-rank state of :func:`watch_hook`. The statistics after the all-reduce are taken
+    in :meth:`flush`, once backward is over, from the bucket buffers (DDP keeps them until
+    the next backward), so they cost nothing while backward and communication overlap."""
 
     rank: int
     world_size: int
     faults: FaultPlan = field(default_factory=FaultPlan)
     step: int = 1
-    pending: list[tuple[int, int, torch.Tensor, list[str], float]] = field(default_factory=list)
-    after: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
 
     def flush(self, recorder: Recorder) -> None:
-        """Turn this step's pending statistics into :class:`Bucket` events with one host
-        sync; with recording off just forget them."""
-        if not self.pending or not recorder.enabled:
-            self.pending.clear()
-            self.after.clear()
+        """Turn this step's buckets into :class:`Bucket` events with one host sync; with
+        recording off just forget them."""
+        pending, self.pending = self.pending, []
+        if not pending or not recorder.enabled:
             return
-        stacked = torch.stack([torch.cat([before, self.after[i]]) for i, _, before, _, _ in self.pending])
-        values = stacked.tolist()
-        for (index, numel, _, faults, when), (nb, fb, na, fa) in zip(self.pending, values, strict=True):
+        after = [
+            norm_and_nonfinite(p.result) if p.result is not None else p.before.new_full((2,), math.nan)
+            for p in pending
+        ]
+        values = torch.stack([torch.cat([p.before, a]) for p, a in zip(pending, after, strict=True)]).tolist()
+        for p, (nb, fb, na, fa) in zip(pending, values, strict=True):
+            numel = p.result.numel() if p.result is not None else 0
             recorder.buckets.append(
                 Bucket(
                     self.step,
                     self.rank,
-                    index,
+                    p.index,
                     numel,
                     nb,
                     int(fb),
                     na,
                     int(fa),
-                    faults,
-                    when - recorder.origin,
+                    p.faults,
+                    p.time - recorder.origin,
                 )
             )
-        self.pending.clear()
-        self.after.clear()
-
-
-def _norm_and_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
-    data = tensor.detach().float()
-    return torch.stack([torch.linalg.vector_norm(data), (~torch.isfinite(data)).sum().float()])
 
 
 def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``allreduce_hook`` plus per-bucket statistics and fault injection."""
+    """torch's ``allreduce_hook`` (divide by the world size, all-reduce, use the result)
+    plus per-bucket statistics and fault injection."""
     tensor = bucket.buffer()
-    index = bucket.index()
-    before = _norm_and_nonfinite(tensor)
-    tensor.div_(state.world_size)
     due = state.faults.due_on_rank(state.rank, state.step) if state.faults else []
-    state.pending.append((index, tensor.numel(), before, [f.text for f in due], time.perf_counter()))
+    pending = _Pending(bucket.index(), norm_and_nonfinite(tensor), [f.text for f in due], time.perf_counter())
+    state.pending.append(pending)
+    tensor.div_(state.world_size)
     future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         result = fut.value()[0]
         for fault in due:
             result.copy_(corrupt(result, fault))
-        state.after[index] = _norm_and_nonfinite(result)
+        pending.result = result
         return result
 
     return future.then(finish)

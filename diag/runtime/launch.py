@@ -74,11 +74,17 @@ def launch(
     backend: str = "gloo",
     timeout: float = 120.0,
     args: tuple[Any, ...] = (),
+    method: str | None = None,
 ) -> list[bytes]:
-    """Run ``fn(rank, world_size, *args)`` on every rank; the bytes each returned."""
+    """Run ``fn(rank, world_size, *args)`` on every rank; the bytes each returned.
+
+    ``method`` forces a start method (``fork``, ``forkserver``, ``spawn``; default: the
+    cheapest safe one, see :func:`start_method`). ``fn`` and ``args`` must be picklable
+    unless the method is ``fork``.
+    """
     if torchrun_env():
         return _join_torchrun(fn, backend, timeout, args)
-    method = start_method(backend)
+    method = method or start_method(backend)
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch"])

@@ -16,6 +16,7 @@ import torch
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
 from gpudiag.runtime.record import Recorder, Transfer
+from gpudiag.runtime.stats import sum_and_nonfinite
 
 
 class Transport:
@@ -48,7 +49,7 @@ class Transport:
                 out = corrupt(out, fault)
                 applied.append(fault.text)
         if self.recorder is not None:
-            stats = _stats(out)
+            stats = sum_and_nonfinite(out).tolist()
             self.recorder.transfers.append(
                 Transfer(
                     step=self.step,
@@ -66,15 +67,6 @@ class Transport:
                 )
             )
         return out
-
-
-def _stats(tensor: torch.Tensor) -> list[float]:
-    """[float64 sum, non-finite count] in one host sync."""
-    if not tensor.is_floating_point():
-        return [float(tensor.double().sum()), 0.0]
-    data = tensor.detach()
-    finite = torch.isfinite(data)
-    return torch.stack([data.double().sum(), (~finite).sum().double()]).tolist()
 
 
 class _Send(torch.autograd.Function):
