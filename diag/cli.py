@@ -54,6 +54,35 @@ def format_option(formats: tuple[str, ...]) -> Any:
     )
 
 
+def _parse_injections(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    from gpudiag.runtime.faults import InjectSpecError, parse_fault
+
+    for value in values:
+        try:
+            parse_fault(value)
+        except InjectSpecError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return values
+
+
+def runtime_options(command: Any) -> Any:
+    """``--inject SPEC`` (repeatable) and ``--trace FILE`` for every command that runs the
+    instrumented runtime (grammar: ``docs/runtime.md``)."""
+    command = click.option(
+        "--trace",
+        metavar="FILE",
+        help="Write what the runtime recorded: Chrome trace JSON (Perfetto), or JSON Lines for *.jsonl.",
+    )(command)
+    return click.option(
+        "--inject",
+        "inject",
+        multiple=True,
+        metavar="SPEC",
+        callback=_parse_injections,
+        help="Inject a fault: SRC->DST:KIND[@STEP][xCOUNT], KIND nan|inf|zero|bitflip|scale=F (repeatable).",
+    )(command)
+
+
 @click.group(cls=GpudiagGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpudiag")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")

@@ -118,6 +118,9 @@ def test_crashed_rank_is_a_finding_with_its_traceback_and_leaves_no_process() ->
     assert info.value.code == "rank-crashed" and info.value.rank == 1
     assert "boom on rank 1" in info.value.detail and "Traceback" in info.value.detail
     assert info.value.exit_code == 1
+    finding = info.value.to_finding()
+    assert (finding.code, finding.severity, finding.evidence["rank"]) == ("rank-crashed", "error", 1)
+    assert "boom on rank 1" in finding.evidence["detail"]
     assert time.monotonic() - start < 30
     assert children() == []
 

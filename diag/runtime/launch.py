@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import EXIT_PROBLEM, GpudiagError
+from gpudiag.findings import Finding
 
 RankFn = Callable[..., bytes]
 _POLL_S = 0.02
@@ -50,6 +51,16 @@ class RankFailure(GpudiagError):
         self.code = code
         self.rank = rank
         self.detail = detail
+
+    def to_finding(self) -> Finding:
+        """The ``rank-crashed`` / ``rank-hung`` finding, carrying the rank's traceback."""
+        fix = (
+            "read the rank's traceback below; rerun with the same seed to reproduce"
+            if self.code == "rank-crashed"
+            else "a rank stuck in a collective usually means a peer-to-peer or network path "
+            "that stalls: rerun with NCCL_P2P_DISABLE=1 and NCCL_DEBUG=INFO"
+        )
+        return Finding(self.code, "error", str(self), {"rank": self.rank, "detail": self.detail}, fix=fix)
 
 
 def torchrun_env(env: Mapping[str, str] | None = None) -> bool:

@@ -104,6 +104,14 @@ class Recorder:
         lines = [json.dumps({"type": kind, **asdict(event)}) for kind, event in self.events()]
         return "\n".join(lines) + ("\n" if lines else "")
 
+    def write(self, path: str, *, force: bool = False) -> None:
+        """``--trace FILE``: JSON Lines when the name ends in ``.jsonl``, else the Chrome
+        trace format (open it in https://ui.perfetto.dev). Written atomically."""
+        from gpudiag.fileio import atomic_write
+
+        text = self.to_jsonl() if path.endswith(".jsonl") else json.dumps(self.to_chrome_trace())
+        atomic_write(path, text, force=force)
+
     def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace events: phases and steps as complete events ("X"), one track per
         device/rank; transfers as complete events on the destination's track."""

@@ -1,0 +1,46 @@
+"""The options every runtime command shares: --inject (grammar, exit 2) and --trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from click.testing import CliRunner
+
+from gpudiag.cli import runtime_options
+from gpudiag.runtime import DeviceSet, RunConfig, run
+from tests import models
+
+
+@click.command()
+@runtime_options
+def probe(inject: tuple[str, ...], trace: str | None) -> None:
+    x, y = models.batch(8)
+    result = run(models.mlp, x, y, RunConfig("dp", DeviceSet.virtual(2), steps=2, faults=inject))
+    if trace:
+        result.recorder.write(trace)
+    click.echo(json.dumps(sorted({f for t in result.recorder.transfers for f in t.faults})))
+
+
+def test_inject_is_repeatable_and_reaches_the_runtime() -> None:
+    result = CliRunner().invoke(probe, ["--inject", "0->1:nan@2x1", "--inject", "1->0:zero@1x1"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == ["0->1:nan@2x1", "1->0:zero@1x1"]
+
+
+def test_bad_inject_is_a_usage_error_showing_the_grammar() -> None:
+    result = CliRunner().invoke(probe, ["--inject", "0-1:nan"])
+    assert result.exit_code == 2
+    assert "SRC->DST:KIND[@STEP][xCOUNT]" in result.output
+
+
+def test_trace_file_is_chrome_trace_or_jsonl(tmp_path: Path) -> None:
+    for name in ("t.json", "t.jsonl"):
+        path = tmp_path / name
+        assert CliRunner().invoke(probe, ["--trace", str(path)]).exit_code == 0
+        text = path.read_text()
+        if name.endswith(".jsonl"):
+            assert all(json.loads(line)["type"] for line in text.splitlines())
+        else:
+            assert json.loads(text)["traceEvents"]
