@@ -143,6 +143,7 @@ def run_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunCo
         notes=notes,
         rank_losses=[r["losses"] for r in ranks],
         rank_digests=[r["digests"] for r in ranks],
+        initial_params=first["initial"],
     )
 
 
@@ -202,31 +203,26 @@ def _rank(
         return ddp(*(x if isinstance(x, tuple) else (x,)))
 
     stepper = Stepper(ddp.module, config, forward)
+    initial = (
+        {n: p.detach().cpu().clone() for n, p in ddp.module.named_parameters()}
+        if config.steps > 1 and rank == 0
+        else {}
+    )
     shard_inputs, shard_targets = _shard(inputs, rank, world), targets.chunk(world)[rank]
     losses, digests = [], []
     for step in range(1, config.steps + 1):
         state.step = step
         start = recorder.now()
-        stepper.zero()
-        micro = list(
-            zip(
+        micro = [
+            (tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device), y)
+            for x, y in zip(
                 micro_batches(shard_inputs, config.accumulate),
                 shard_targets.chunk(config.accumulate),
                 strict=True,
             )
-        )
-        total = 0.0
-        for i, (x, y) in enumerate(micro):
-            x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
-            if i < len(micro) - 1:
-                with ddp.no_sync():
-                    total += float(stepper.micro_step(x, y))
-            else:
-                total += float(stepper.micro_step(x, y))
-        state.flush(recorder)
-        stepper.finish(step)
-        loss = total / len(micro)
-        losses.append(loss if math.isfinite(loss) else float("nan"))
+        ]
+        loss = stepper.step(step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder))
+        losses.append(loss)
         if recorder.enabled:
             recorder.steps.append(StepRecord(step, loss, start, recorder.now(), rank))
         if config.track_params:
@@ -240,5 +236,6 @@ def _rank(
             "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()},
             "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()},
             "recorder": recorder_to_data(recorder),
+            "initial": initial,
         }
     )

@@ -18,6 +18,7 @@ weights; the factory's train/eval mode is kept (eval makes BatchNorm use running
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 from collections.abc import Callable
@@ -52,7 +53,7 @@ class RunConfig:
     steps: int = 1
     optimizer: Literal["sgd", "adam", "none"] = "sgd"
     lr: float = 0.01
-    loss: str = "ce"
+    loss: str | Callable[[Any, torch.Tensor], torch.Tensor] = "ce"  # a name or loss(output, target)
     dtype: str = "fp32"
     accumulate: int = 1
     seed: int = 0
@@ -67,7 +68,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise InputError(f"unknown strategy {self.strategy!r} (expected {', '.join(STRATEGIES)})")
-        if self.loss not in LOSSES:
+        if not callable(self.loss) and self.loss not in LOSSES:
             raise InputError(f"unknown loss {self.loss!r} (expected {', '.join(LOSSES)})")
         if self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r} (expected {', '.join(DTYPES)})")
@@ -94,6 +95,7 @@ class RunResult:
     notes: list[Finding] = field(default_factory=list)
     rank_losses: list[list[float]] = field(default_factory=list)
     rank_digests: list[list[str]] = field(default_factory=list)
+    initial_params: dict[str, torch.Tensor] = field(default_factory=dict)  # when steps > 1
 
 
 def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
@@ -123,8 +125,11 @@ def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer
     return None
 
 
-def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``ce``/``mse`` with mean reduction, ``ce-sum``/``mse-sum`` with sum (in fp32)."""
+def loss_fn(name: Any, output: Any, target: torch.Tensor) -> torch.Tensor:
+    """``ce``/``mse`` with mean reduction, ``ce-sum``/``mse-sum`` with sum (in fp32), or a
+    user's ``loss(output, target)``."""
+    if callable(name):
+        return name(output, target)
     reduction = "sum" if name.endswith("-sum") else "mean"
     output = output.float()
     if name.startswith("ce"):
@@ -132,12 +137,31 @@ def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return F.mse_loss(output, target.to(output.dtype), reduction=reduction)
 
 
+def _device_of(output: Any) -> Any:
+    found = output if isinstance(output, torch.Tensor) else None
+    if found is None and isinstance(output, dict):
+        found = next((v for v in output.values() if isinstance(v, torch.Tensor)), None)
+    if found is None and isinstance(output, (tuple, list)):
+        found = next((v for v in output if isinstance(v, torch.Tensor)), None)
+    return found.device if found is not None else "cpu"
+
+
 def device_type(devices: DeviceSet) -> str:
     return "cpu" if devices.kind == "virtual" else "cuda"
 
 
+#: fp16: how many times a step whose gradients overflow is retried at half the loss scale.
+MAX_SCALE_RETRIES = 24
+
+
 class Stepper:
-    """The training step shared by every strategy: autocast, loss, backward, scaler, step."""
+    """The training step shared by every strategy: autocast, loss, backward, scaler, step.
+
+    fp16 uses a GradScaler. A step whose gradients overflow at the current scale is
+    retried at half the scale — where GradScaler would skip the step — so every counted
+    step updates the weights and the first step's gradients are finite when the model's
+    are (after :data:`MAX_SCALE_RETRIES` halvings the gradients are taken as they are).
+    """
 
     def __init__(self, model: nn.Module, config: RunConfig, forward: Callable[[Any], Any]):
         self.model = model
@@ -147,6 +171,10 @@ class Stepper:
         kind = device_type(config.devices)
         self.autocast = torch.autocast(kind, dtype=DTYPES[config.dtype]) if config.dtype != "fp32" else None
         self.scaler = torch.amp.GradScaler(kind) if config.dtype == "fp16" else None
+        if self.scaler is not None and self.optimizer is None:  # something to unscale with
+            self.unscaler: torch.optim.Optimizer | None = torch.optim.SGD(model.parameters(), lr=0.0)
+        else:
+            self.unscaler = self.optimizer
         self.first_grads: dict[str, torch.Tensor] = {}
 
     def micro_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -156,15 +184,37 @@ class Stepper:
                 output = self.forward(inputs)
         else:
             output = self.forward(inputs)
-        loss = loss_fn(self.config.loss, output, targets.to(output.device))
+        loss = loss_fn(self.config.loss, output, targets.to(_device_of(output)))
         scaled = loss / self.config.accumulate
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach()
 
-    def finish(self, step: int) -> None:
-        """Unscale, keep the first step's gradients, and step the optimizer."""
-        if self.scaler is not None and self.optimizer is not None:
-            self.scaler.unscale_(self.optimizer)
+    def step(
+        self,
+        step: int,
+        micro: list[tuple[Any, torch.Tensor]],
+        no_sync: Callable[[], Any] | None = None,
+        after_backward: Callable[[], None] | None = None,
+    ) -> float:
+        """One optimizer step over the micro-batches; returns the mean micro-batch loss.
+        ``no_sync`` (DDP) wraps every micro-batch but the last."""
+        for attempt in range(MAX_SCALE_RETRIES + 1):
+            self.model.zero_grad(set_to_none=True)
+            total = 0.0
+            for i, (x, y) in enumerate(micro):
+                context = (
+                    no_sync() if no_sync is not None and i < len(micro) - 1 else contextlib.nullcontext()
+                )
+                with context:
+                    total += float(self.micro_step(x, y))
+            if after_backward is not None:
+                after_backward()
+            if self.scaler is None or self.unscaler is None:
+                break
+            self.scaler.unscale_(self.unscaler)
+            if self._grads_finite() or attempt == MAX_SCALE_RETRIES:
+                break
+            self.scaler.update(new_scale=self.scaler.get_scale() / 2)
         if step == 1:
             self.first_grads = {
                 n: p.grad.detach().float().cpu().clone()
@@ -177,9 +227,16 @@ class Stepper:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+        elif self.scaler is not None:
+            self.scaler.update()
+        return total / len(micro)
 
-    def zero(self) -> None:
-        self.model.zero_grad(set_to_none=True)
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return True
+        norms = torch._foreach_norm(grads)  # one fused pass, as GradScaler and clip_grad_norm_ do
+        return bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum()))
 
 
 def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
@@ -198,19 +255,18 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         return dp_forward(model, args, {}, transport)
 
     stepper = Stepper(model, config, forward)
+    initial = _cpu(dict(model.named_parameters())) if config.steps > 1 else {}
     losses = []
     for step in range(1, config.steps + 1):
         transport.step = step
         start = recorder.now()
-        stepper.zero()
-        total = torch.zeros(())
-        pieces = list(
-            zip(micro_batches(inputs, config.accumulate), targets.chunk(config.accumulate), strict=True)
-        )
-        for micro_inputs, micro_targets in pieces:
-            total = total + stepper.micro_step(_to(micro_inputs, devices), micro_targets).float().cpu()
-        stepper.finish(step)
-        loss = float(total / len(pieces))
+        micro = [
+            (_to(x, devices), y)
+            for x, y in zip(
+                micro_batches(inputs, config.accumulate), targets.chunk(config.accumulate), strict=True
+            )
+        ]
+        loss = stepper.step(step, micro)
         losses.append(loss)
         if recorder.enabled:
             recorder.steps.append(StepRecord(step, loss, start, recorder.now()))
@@ -222,6 +278,7 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         buffers=_cpu(dict(model.named_buffers())),
         recorder=recorder,
         notes=notes,
+        initial_params=initial,
     )
 
 

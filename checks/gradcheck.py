@@ -1,0 +1,831 @@
+"""gradcheck: do single-GPU, DataParallel and DDP compute the same gradients — and if not, why?
+
+Runs the same model, batch and seed under ``single`` (the reference), ``dp`` and ``ddp``
+through the runtime, compares gradients (and, with ``steps > 1``, parameter updates), and
+explains every difference with a finding (``docs/findings.md``):
+
+- ``batchnorm-per-replica`` / ``dropout-active``: confirmed by a rerun in *controlled* mode
+  (BatchNorm on running statistics, dropout off) that agrees;
+- ``loss-scale-world-size``: DDP's gradient is W or 1/W times single's with cosine ≈ 1
+  (a sum loss under DDP's averaging);
+- ``uneven-shards``: the batch does not split evenly; DDP's result equals the average of
+  per-shard mean-loss gradients (mean of means), recomputed on one device to confirm;
+- ``nonfinite-gradient``, ``ranks-diverged``, ``rank-crashed``, ``rank-hung``,
+  ``unused-parameters``, ``mismatch-unexplained``.
+
+Verdict: ``pass`` (all within tolerance), ``explained`` (differences, all attributed),
+``fail`` (anything else). Tolerance: the relative norm error of the whole gradient must
+not exceed ``torch.testing.assert_close``'s default rtol for the dtype times
+:data:`TOLERANCE_HEADROOM`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpudiag.findings import Finding
+from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
+from gpudiag.runtime.run import DTYPES, ModelFn
+
+SCHEMA = "gpudiag.gradcheck/1"
+#: ``torch.testing.assert_close`` default rtol per dtype.
+ASSERT_CLOSE_RTOL = {"fp32": 1.3e-6, "bf16": 1.6e-2, "fp16": 1e-3}
+#: Headroom over those defaults for a whole-gradient norm: reduction order alone gave up
+#: to 4.4e-7 (fp32), 2.5e-3 (bf16) and 3.0e-4 (fp16) relative norm error on the built-in
+#: models and resnet18 (see docs/gradcheck.md).
+TOLERANCE_HEADROOM = 10.0
+#: A norm ratio this close to W or 1/W (relative), with cosine above COSINE_SAME, is
+#: a loss-scaling difference.
+RATIO_SLACK = 0.02
+COSINE_SAME = 0.9999
+_UNUSED_ERROR = ("find_unused_parameters", "Expected to have finished reduction")
+
+
+def tolerance(dtype: str) -> float:
+    return ASSERT_CLOSE_RTOL[dtype] * TOLERANCE_HEADROOM
+
+
+@dataclass
+class ParamDiff:
+    name: str
+    max_abs_err: float
+    max_rel_err: float
+    rel_norm_err: float
+
+
+@dataclass
+class Comparison:
+    """One strategy against ``single``."""
+
+    strategy: str
+    world_size: int
+    mode: str
+    ok: bool
+    rel_norm_err: float
+    cosine: float
+    norm_ratio: float
+    max_abs_err: float
+    max_rel_err: float
+    worst_param: str | None
+    first_bad_param: str | None
+    params: list[ParamDiff] = field(default_factory=list)
+    update_rel_err: float | None = None  # after K > 1 steps: the parameter updates
+    options: dict[str, Any] = field(default_factory=dict)  # e.g. a retry's find_unused_parameters
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "mode": self.mode,
+            "ok": self.ok,
+            "rel_norm_err": _num(self.rel_norm_err),
+            "cosine": _num(self.cosine),
+            "norm_ratio": _num(self.norm_ratio),
+            "max_abs_err": _num(self.max_abs_err),
+            "max_rel_err": _num(self.max_rel_err),
+            "worst_param": self.worst_param,
+            "first_bad_param": self.first_bad_param,
+            "update_rel_err": None if self.update_rel_err is None else _num(self.update_rel_err),
+            "options": self.options,
+            "params": [
+                {
+                    "name": p.name,
+                    "max_abs_err": _num(p.max_abs_err),
+                    "max_rel_err": _num(p.max_rel_err),
+                    "rel_norm_err": _num(p.rel_norm_err),
+                }
+                for p in self.params
+            ],
+        }
+
+
+def _num(x: float) -> float | str:
+    """JSON has no NaN/Infinity: write them as strings."""
+    return x if math.isfinite(x) else str(x)
+
+
+@dataclass
+class GradcheckReport:
+    verdict: str  # pass | explained | fail
+    tolerance: dict[str, Any]
+    settings: dict[str, Any]
+    comparisons: list[Comparison]
+    findings: list[Finding]
+    config: dict[str, Any]
+
+    def exit_code(self, strict: bool = False) -> int:
+        if self.verdict == "fail" or (strict and self.verdict == "explained"):
+            return 1
+        return 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "verdict": self.verdict,
+            "reference": "single",
+            "tolerance": self.tolerance,
+            "settings": self.settings,
+            "config": self.config,
+            "comparisons": [c.to_json() for c in self.comparisons],
+            "findings": [f.to_json() for f in self.findings],
+        }
+
+
+# -- comparing gradients --------------------------------------------------------------------
+
+
+def compare(
+    strategy: str, mode: str, world: int, got: RunResult, ref: RunResult, tol: float, order: list[str]
+) -> Comparison:
+    """Per-parameter and whole-gradient differences of ``got`` against ``ref``."""
+    names = [n for n in order if n in ref.grads and n in got.grads]
+    diffs = []
+    for name in names:
+        a, b = got.grads[name].double(), ref.grads[name].double()
+        delta = (a - b).abs()
+        ref_norm = float(b.norm())
+        diffs.append(
+            ParamDiff(
+                name,
+                float(delta.max()) if delta.numel() else 0.0,
+                float((delta / b.abs().clamp_min(1e-12)).max()) if delta.numel() else 0.0,
+                float(delta.norm()) / ref_norm
+                if ref_norm > 0
+                else (0.0 if float(delta.norm()) == 0 else math.inf),
+            )
+        )
+    if names:
+        a = torch.cat([got.grads[n].double().flatten() for n in names])
+        b = torch.cat([ref.grads[n].double().flatten() for n in names])
+        ref_norm, got_norm = float(b.norm()), float(a.norm())
+        rel = float((a - b).norm()) / ref_norm if ref_norm > 0 else math.inf
+        cosine = float(torch.dot(a, b)) / (ref_norm * got_norm) if ref_norm > 0 and got_norm > 0 else math.nan
+        ratio = got_norm / ref_norm if ref_norm > 0 else math.nan
+    else:
+        rel, cosine, ratio = 0.0, 1.0, 1.0
+    worst = max(
+        diffs, key=lambda d: d.rel_norm_err if math.isfinite(d.rel_norm_err) else math.inf, default=None
+    )
+    first_bad = next((d.name for d in diffs if not d.rel_norm_err <= tol), None)
+    ok = math.isfinite(rel) and rel <= tol
+    comparison = Comparison(
+        strategy,
+        world,
+        mode,
+        ok,
+        rel,
+        cosine,
+        ratio,
+        max((d.max_abs_err for d in diffs), default=0.0),
+        max((d.max_rel_err for d in diffs), default=0.0),
+        worst.name if worst and worst.rel_norm_err > 0 else None,
+        first_bad,
+        diffs,
+    )
+    if got.params and ref.params and _moved(ref):
+        comparison.update_rel_err = _update_error(got, ref, order)
+        comparison.ok = comparison.ok and comparison.update_rel_err <= tol * 10
+    return comparison
+
+
+def _moved(result: RunResult) -> bool:
+    return bool(result.initial_params)
+
+
+def _update_error(got: RunResult, ref: RunResult, order: list[str]) -> float:
+    """Relative norm error of the parameter updates (after K steps minus before)."""
+    names = [n for n in order if n in ref.params and n in ref.initial_params]
+    a = torch.cat([(got.params[n] - got.initial_params[n]).double().flatten() for n in names])
+    b = torch.cat([(ref.params[n] - ref.initial_params[n]).double().flatten() for n in names])
+    norm = float(b.norm())
+    return float((a - b).norm()) / norm if norm > 0 else (0.0 if float(a.norm()) == 0 else math.inf)
+
+
+# -- what the model contains ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    batchnorm: tuple[str, ...]  # BatchNorm modules in train mode
+    dropout: tuple[str, ...]  # dropout modules in train mode with p > 0
+    order: tuple[str, ...]  # trainable parameter names in module order
+
+
+def inspect_model(model: nn.Module) -> ModelTraits:
+    bn = tuple(
+        n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    )
+    drop = tuple(
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and float(getattr(m, "p", 0)) > 0
+    )
+    order = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+    return ModelTraits(bn, drop, order)
+
+
+@dataclass(frozen=True)
+class Controlled:
+    """A factory that builds the model in controlled mode: BatchNorm modules in eval mode
+    (running statistics) and/or dropout off. Picklable when the wrapped factory is."""
+
+    factory: ModelFn
+    freeze_batchnorm: bool = True
+    disable_dropout: bool = True
+
+    def __call__(self) -> nn.Module:
+        model = self.factory()
+        for m in model.modules():
+            if self.freeze_batchnorm and isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+            if self.disable_dropout and isinstance(m, nn.modules.dropout._DropoutNd):
+                m.eval()
+        return model
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def comparison_settings() -> Iterator[dict[str, Any]]:
+    """TF32 and cuDNN autotuning off (and deterministic cuDNN) for the comparison."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield {"tf32": "off", "cudnn_benchmark": "off", "cudnn_deterministic": "on"}
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
+        ) = saved
+
+
+def default_devices(world_size: int) -> DeviceSet:
+    """CUDA devices 0…W-1 when there are enough, else W CPU virtual devices."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return DeviceSet.cuda(list(range(world_size)))
+    return DeviceSet.virtual(world_size)
+
+
+@dataclass
+class _Run:
+    results: dict[str, RunResult]
+    failures: dict[str, RankFailure]
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per strategy: retry options
+
+
+def _superseded(c: Comparison, comparisons: list[Comparison]) -> bool:
+    """A comparison made without an option that a later retry with it answered."""
+    return not c.options and any(
+        o.strategy == c.strategy and o.mode == c.mode and o.options and o.ok for o in comparisons
+    )
+
+
+def _run_all(
+    factory: ModelFn, inputs: Any, targets: torch.Tensor, base: RunConfig, strategies: list[str]
+) -> _Run:
+    results, failures = {}, {}
+    for strategy in ["single", *[s for s in strategies if s != "single"]]:
+        config = replace(base, strategy=strategy, track_params=strategy == "ddp" and base.steps > 1)
+        try:
+            results[strategy] = run(factory, inputs, targets, config)
+        except RankFailure as failure:
+            failures[strategy] = failure
+    return _Run(results, failures)
+
+
+def gradcheck(
+    model_factory: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    *,
+    strategies: tuple[str, ...] | list[str] = ("single", "dp", "ddp"),
+    world_size: int = 2,
+    steps: int = 1,
+    lr: float = 0.01,
+    optimizer: str = "sgd",
+    dtype: str = "fp32",
+    loss: str | Callable[[Any, torch.Tensor], torch.Tensor] = "ce",
+    mode: str = "auto",
+    seed: int = 0,
+    inject: tuple[str, ...] | list[str] = (),
+    devices: DeviceSet | None = None,
+    sync_batchnorm: bool = False,
+    timeout: float = 300.0,
+    describe: dict[str, Any] | None = None,
+) -> GradcheckReport:
+    """Compare ``strategies`` against ``single`` for ``model_factory`` on one batch.
+
+    ``inputs`` is a tensor or a tuple of tensors (split along dim 0), ``targets`` a
+    tensor; ``loss`` is ``ce``, ``ce-sum``, ``mse``, ``mse-sum`` or ``loss(output, target)``.
+    """
+    if mode not in ("auto", "as-is", "controlled"):
+        raise ValueError(f"mode must be auto, as-is or controlled, not {mode!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+    devices = devices or default_devices(world_size)
+    world = len(devices)
+    tol = tolerance(dtype)
+    torch.manual_seed(seed)
+    traits = inspect_model(model_factory())
+    base = RunConfig(
+        "single",
+        devices,
+        steps=steps,
+        optimizer=optimizer,  # type: ignore[arg-type]
+        lr=lr,
+        loss=loss,
+        dtype=dtype,
+        seed=seed,
+        faults=tuple(inject),
+        sync_batchnorm=sync_batchnorm,
+        timeout=timeout,
+    )
+    wanted = [s for s in strategies if s != "single"]
+    batch = len(targets)
+    findings: list[Finding] = []
+    with comparison_settings() as settings:
+        first_mode = "controlled" if mode == "controlled" else "as-is"
+        factory = Controlled(model_factory) if first_mode == "controlled" else model_factory
+        outcome = _run_all(factory, inputs, targets, base, wanted)
+        findings += _notes(outcome)
+        findings += _failures(outcome, factory, inputs, targets, base)
+        comparisons = _compare_all(outcome, first_mode, world, tol, traits.order)
+        findings += _nonfinite(outcome, traits.order)
+        unused = _unused_params(outcome, traits.order)
+        if unused and not any(f.code == "unused-parameters" for f in findings):
+            findings.append(_unused_finding(unused))
+            if any(c.strategy == "ddp" and not c.ok for c in comparisons) and not _has_errors(findings):
+                # DDP waits for gradients that never come: the bucket holding an unused
+                # parameter is not all-reduced in the first step. Compare with the flag on.
+                config = replace(
+                    base, strategy="ddp", find_unused_parameters=True, track_params=base.steps > 1
+                )
+                outcome.results["ddp"] = run(factory, inputs, targets, config)
+                outcome.options["ddp"] = {"find_unused_parameters": True}
+                comparisons += [
+                    c
+                    for c in _compare_all(outcome, first_mode, world, tol, traits.order)
+                    if c.strategy == "ddp"
+                ]
+        findings += _ranks_diverged(outcome)
+        unexplained = [
+            c
+            for c in comparisons
+            if not c.ok and math.isfinite(c.rel_norm_err) and not _superseded(c, comparisons)
+        ]
+        if unexplained and not _has_errors(findings):
+            causes = _train_mode_causes(traits) if first_mode == "as-is" else []
+            if causes and mode == "auto":
+                controlled = _run_all(Controlled(model_factory), inputs, targets, base, wanted)
+                again = _compare_all(controlled, "controlled", world, tol, traits.order)
+                comparisons += again
+                if all(c.ok for c in again) and not controlled.failures:
+                    findings += _train_mode_findings(traits, unexplained, confirmed=True)
+                    unexplained = []
+                else:
+                    outcome, unexplained = controlled, [c for c in again if not c.ok]
+            elif causes:
+                findings += _train_mode_findings(traits, unexplained, confirmed=False)
+                unexplained = []
+            explained, unexplained = _scaling_and_shards(
+                unexplained,
+                outcome,
+                factory if not causes else Controlled(model_factory),
+                inputs,
+                targets,
+                base,
+                world,
+                tol,
+                traits.order,
+                loss,
+            )
+            findings += explained
+        if unexplained and not _has_errors(findings):
+            for c in unexplained:
+                findings.append(
+                    Finding(
+                        "mismatch-unexplained",
+                        "error",
+                        f"{c.strategy} differs from single by {c.rel_norm_err:.3g} (relative norm error, "
+                        f"tolerance {tol:.3g}) and no known cause accounts for it",
+                        {
+                            "strategy": c.strategy,
+                            "mode": c.mode,
+                            "rel_norm_err": c.rel_norm_err,
+                            "cosine": c.cosine,
+                            "norm_ratio": c.norm_ratio,
+                            "first_bad_param": c.first_bad_param,
+                        },
+                        cause="a real fault (a corrupting transfer, a kernel bug) or a model that is not "
+                        "deterministic across devices",
+                        fix="run `gpudiag nancheck` / `gpudiag peer` on the same GPUs; rerun with "
+                        "NCCL_P2P_DISABLE=1 to see whether the difference goes away",
+                    )
+                )
+        if world > batch:
+            findings.append(_few_replicas(batch, world))
+        if batch % world and not any(f.code == "uneven-shards" for f in findings) and "ddp" in wanted:
+            findings.append(_uneven_info(batch, world))
+    verdict = _verdict(comparisons, findings)
+    return GradcheckReport(
+        verdict=verdict,
+        tolerance={
+            "dtype": dtype,
+            "rel_norm_err": tol,
+            "basis": f"torch.testing.assert_close rtol "
+            f"{ASSERT_CLOSE_RTOL[dtype]:g} x {TOLERANCE_HEADROOM:g}, on the whole gradient",
+        },
+        settings=settings,
+        comparisons=comparisons,
+        findings=findings,
+        config={
+            **(describe or {}),
+            "strategies": ["single", *wanted],
+            "world_size": world,
+            "devices": {"kind": devices.kind, "ids": list(devices.ids)},
+            "batch_size": batch,
+            "steps": steps,
+            "optimizer": optimizer,
+            "lr": lr,
+            "dtype": dtype,
+            "loss": loss if isinstance(loss, str) else getattr(loss, "__name__", "custom"),
+            "mode": mode,
+            "seed": seed,
+            "inject": list(inject),
+            "ddp_shards": "contiguous torch.chunk pieces of the global batch: rank r gets chunk r",
+        },
+    )
+
+
+def _has_errors(findings: list[Finding]) -> bool:
+    return any(f.severity == "error" for f in findings)
+
+
+#: Codes that account for a difference (their presence makes the verdict "explained").
+EXPLAINS = (
+    "batchnorm-per-replica",
+    "dropout-active",
+    "loss-scale-world-size",
+    "uneven-shards",
+    "unused-parameters",
+)
+
+
+def _verdict(comparisons: list[Comparison], findings: list[Finding]) -> str:
+    if _has_errors(findings):
+        return "fail"
+    explained = any(f.code in EXPLAINS and f.severity == "warning" for f in findings)
+    if all(c.ok for c in comparisons) and not explained:
+        return "pass"
+    return "explained"
+
+
+def _compare_all(
+    outcome: _Run, mode: str, world: int, tol: float, order: tuple[str, ...]
+) -> list[Comparison]:
+    ref = outcome.results.get("single")
+    if ref is None:
+        return []
+    out = []
+    for strategy, result in outcome.results.items():
+        if strategy != "single":
+            comparison = compare(strategy, mode, world, result, ref, tol, list(order))
+            comparison.options = dict(outcome.options.get(strategy, {}))
+            out.append(comparison)
+    return out
+
+
+def _notes(outcome: _Run) -> list[Finding]:
+    seen: dict[str, Finding] = {}
+    for result in outcome.results.values():
+        for note in result.notes:
+            seen.setdefault(note.code, note)
+    return list(seen.values())
+
+
+def _failures(
+    outcome: _Run, factory: ModelFn, inputs: Any, targets: torch.Tensor, base: RunConfig
+) -> list[Finding]:
+    out = []
+    for strategy, failure in list(outcome.failures.items()):
+        if failure.code == "rank-crashed" and any(s in failure.detail for s in _UNUSED_ERROR):
+            out.append(
+                Finding(
+                    "unused-parameters",
+                    "warning",
+                    "DDP failed because some parameters get no gradient; retried with "
+                    "find_unused_parameters=True",
+                    {"strategy": strategy, "error": str(failure)},
+                    cause="parameters that do not contribute to the loss (an unused branch or head)",
+                    fix="pass find_unused_parameters=True (or static_graph=True) to "
+                    "DistributedDataParallel, or make every parameter contribute",
+                )
+            )
+            try:
+                config = replace(base, strategy=strategy, find_unused_parameters=True)
+                outcome.results[strategy] = run(factory, inputs, targets, config)
+                outcome.options[strategy] = {"find_unused_parameters": True}
+                del outcome.failures[strategy]
+                continue
+            except RankFailure as again:
+                failure = again
+                outcome.failures[strategy] = again
+        out.append(failure.to_finding())
+    return out
+
+
+def _nonfinite(outcome: _Run, order: tuple[str, ...]) -> list[Finding]:
+    out = []
+    for strategy, result in outcome.results.items():
+        bad = next(
+            (n for n in order if n in result.grads and not bool(torch.isfinite(result.grads[n]).all())), None
+        )
+        bad_step = next((i + 1 for i, loss in enumerate(result.losses) if not math.isfinite(loss)), None)
+        if bad is None and bad_step is None:
+            continue
+        evidence: dict[str, Any] = {"strategy": strategy, "param": bad, "step": 1 if bad else bad_step}
+        where = ""
+        transfer = next((t for t in result.recorder.transfers if t.nonfinite), None)
+        bucket = next((b for b in result.recorder.buckets if b.nonfinite_before or b.nonfinite_after), None)
+        if transfer is not None:
+            evidence.update(
+                {
+                    "src": transfer.src,
+                    "dst": transfer.dst,
+                    "link": transfer.link,
+                    "phase": transfer.phase,
+                    "transfer_step": transfer.step,
+                    "tensor": transfer.name,
+                }
+            )
+            where = (
+                f"; first seen in the {transfer.phase} transfer {transfer.src}->{transfer.dst} "
+                f"over {transfer.link or 'an unknown link'} at step {transfer.step}"
+            )
+        elif bucket is not None:
+            before = bool(bucket.nonfinite_before)
+            evidence.update(
+                {
+                    "rank": bucket.rank,
+                    "bucket": bucket.index,
+                    "bucket_step": bucket.step,
+                    "before_allreduce": before,
+                }
+            )
+            where = (
+                f"; rank {bucket.rank} already had it before the all-reduce (bucket {bucket.index})"
+                if before
+                else f"; finite on every rank before the all-reduce, non-finite on rank {bucket.rank} after "
+                f"it (bucket {bucket.index}): the transport"
+            )
+        what = f"parameter {bad}" if bad else f"the loss at step {bad_step}"
+        out.append(
+            Finding(
+                "nonfinite-gradient",
+                "error",
+                f"{strategy}: non-finite values in {what}{where}",
+                evidence,
+                cause="corrupt data on a link (see the transfer), or a model/learning rate that diverges "
+                "(then single fails too)",
+                fix="if only parallel strategies fail, run `gpudiag nancheck` and rerun with "
+                "NCCL_P2P_DISABLE=1; if single fails too, lower the learning rate or check the model",
+            )
+        )
+    return out
+
+
+def _unused_params(outcome: _Run, order: tuple[str, ...]) -> list[str]:
+    """Trainable parameters that got no gradient in the reference run."""
+    ref = outcome.results.get("single")
+    return [] if ref is None else [n for n in order if n not in ref.grads]
+
+
+def _unused_finding(unused: list[str]) -> Finding:
+    shown = ", ".join(unused[:3]) + ("…" if len(unused) > 3 else "")
+    return Finding(
+        "unused-parameters",
+        "warning",
+        f"{len(unused)} parameter(s) get no gradient ({shown}): DDP without find_unused_parameters=True "
+        "leaves their bucket un-reduced in the first step and fails on the next; compared with "
+        "find_unused_parameters=True",
+        {"params": unused},
+        cause="parameters that do not contribute to the loss (an unused branch or head)",
+        fix="pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
+        "or remove the unused parameters",
+    )
+
+
+def _ranks_diverged(outcome: _Run) -> list[Finding]:
+    ddp = outcome.results.get("ddp")
+    if ddp is None or len(ddp.rank_digests) < 2 or not ddp.rank_digests[0]:
+        return []
+    for step, digests in enumerate(zip(*ddp.rank_digests, strict=True), start=1):
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            return [
+                Finding(
+                    "ranks-diverged",
+                    "error",
+                    f"after step {step} DDP rank(s) {', '.join(map(str, odd))} hold different parameters "
+                    "than rank 0",
+                    {"step": step, "ranks": odd},
+                    cause="gradients computed outside DDP's all-reduce (torch.autograd.grad), rank-dependent "
+                    "code, or corrupted collectives",
+                    fix="keep every gradient inside loss.backward() under DDP; check collectives with "
+                    "`gpudiag peer`",
+                )
+            ]
+    return []
+
+
+def _train_mode_causes(traits: ModelTraits) -> list[str]:
+    return (["batchnorm"] if traits.batchnorm else []) + (["dropout"] if traits.dropout else [])
+
+
+def _train_mode_findings(traits: ModelTraits, diffs: list[Comparison], confirmed: bool) -> list[Finding]:
+    worst = max(diffs, key=lambda c: c.rel_norm_err)
+    evidence = {
+        "strategies": [c.strategy for c in diffs],
+        "rel_norm_err": worst.rel_norm_err,
+        "confirmed_by_controlled_rerun": confirmed,
+    }
+    how = (
+        "a rerun with BatchNorm on running statistics and dropout off agrees"
+        if confirmed
+        else "not confirmed (--mode as-is); --mode auto reruns in controlled mode to confirm"
+    )
+    out = []
+    if traits.batchnorm:
+        out.append(
+            Finding(
+                "batchnorm-per-replica",
+                "warning",
+                f"BatchNorm in train mode ({len(traits.batchnorm)} layer(s), e.g. {traits.batchnorm[0]}) "
+                f"normalises each replica's sub-batch with its own statistics: relative norm error "
+                f"{worst.rel_norm_err:.3g}; {how}",
+                {**evidence, "modules": list(traits.batchnorm)},
+                cause="per-device batch statistics (expected with DP and with DDP without SyncBatchNorm)",
+                fix="for agreement, use SyncBatchNorm under DDP (torch.nn.SyncBatchNorm."
+                "convert_sync_batchnorm) or larger per-device batches; for tests, BatchNorm in eval mode",
+            )
+        )
+    if traits.dropout:
+        out.append(
+            Finding(
+                "dropout-active",
+                "warning",
+                f"dropout in train mode ({len(traits.dropout)} layer(s), e.g. {traits.dropout[0]}) draws "
+                f"different masks under each strategy: relative norm error {worst.rel_norm_err:.3g}; {how}",
+                {**evidence, "modules": list(traits.dropout)},
+                cause="random masks depend on how the batch is split and which RNG each device uses",
+                fix="compare with dropout off (model.eval() for those layers); in training this is expected",
+            )
+        )
+    return out
+
+
+def _scaling_and_shards(
+    diffs: list[Comparison],
+    outcome: _Run,
+    factory: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    base: RunConfig,
+    world: int,
+    tol: float,
+    order: tuple[str, ...],
+    loss: Any,
+) -> tuple[list[Finding], list[Comparison]]:
+    findings, left = [], []
+    batch = len(targets)
+    for c in diffs:
+        near = lambda x, y: abs(x / y - 1) <= RATIO_SLACK  # noqa: E731
+        if (
+            c.strategy == "ddp"
+            and c.cosine >= COSINE_SAME
+            and (near(c.norm_ratio, 1 / world) or near(c.norm_ratio, world))
+        ):
+            factor = "1/W" if near(c.norm_ratio, 1 / world) else "W"
+            findings.append(
+                Finding(
+                    "loss-scale-world-size",
+                    "warning",
+                    f"DDP's gradient is {c.norm_ratio:.4g}x single's ({factor}, W={world}) with cosine "
+                    f"{c.cosine:.6f}: the loss scale depends on the world size",
+                    {
+                        "strategy": c.strategy,
+                        "norm_ratio": c.norm_ratio,
+                        "cosine": c.cosine,
+                        "world_size": world,
+                        "loss": loss if isinstance(loss, str) else "custom",
+                    },
+                    cause="DDP averages gradients over ranks: a sum-reduced loss gives 1/W of the single-GPU "
+                    "gradient; a mean loss multiplied by W (compensation applied twice) gives W",
+                    fix="use a mean-reduced loss, or multiply a summed local loss by W",
+                )
+            )
+            continue
+        if (
+            c.strategy == "ddp"
+            and batch % world
+            and _mean_of_means_matches(c, outcome, factory, inputs, targets, base, world, tol, order)
+        ):
+            findings.append(
+                Finding(
+                    "uneven-shards",
+                    "warning",
+                    f"batch {batch} does not split evenly over {world} DDP ranks "
+                    f"({'/'.join(str(len(t)) for t in targets.chunk(world))}): DDP averages per-rank "
+                    f"means, which weights samples unequally (relative norm error {c.rel_norm_err:.3g})",
+                    {
+                        "batch_size": batch,
+                        "world_size": world,
+                        "shards": [len(t) for t in targets.chunk(world)],
+                        "rel_norm_err": c.rel_norm_err,
+                    },
+                    cause="(x1/n1 + x2/n2)/2 differs from (x1+x2)/(n1+n2) when n1 != n2",
+                    fix="use a global batch divisible by the world size (drop_last=True), or normalise "
+                    "by the global sample count",
+                )
+            )
+            continue
+        left.append(c)
+    return findings, left
+
+
+def _mean_of_means_matches(
+    c: Comparison,
+    outcome: _Run,
+    factory: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    base: RunConfig,
+    world: int,
+    tol: float,
+    order: tuple[str, ...],
+) -> bool:
+    """Recompute DDP's semantics on one device — the average of each shard's gradient — and
+    check that DDP matches it."""
+    ddp = outcome.results.get("ddp")
+    if ddp is None:
+        return False
+    shards_x = (
+        inputs.chunk(world)
+        if not isinstance(inputs, tuple)
+        else list(zip(*(x.chunk(world) for x in inputs), strict=True))
+    )
+    shards_y = targets.chunk(world)
+    single = replace(
+        base,
+        strategy="single",
+        steps=1,
+        devices=DeviceSet.virtual(1) if base.devices.kind == "virtual" else base.devices,
+    )
+    grads: dict[str, torch.Tensor] = {}
+    for x, y in zip(shards_x, shards_y, strict=True):
+        result = run(factory, x, y, single)
+        for n, g in result.grads.items():
+            grads[n] = grads.get(n, torch.zeros_like(g)) + g / world
+    expected = RunResult("mean-of-means", [], grads, {}, {}, ddp.recorder)
+    return compare("ddp", c.mode, world, ddp, expected, tol, list(order)).rel_norm_err <= tol
+
+
+def _few_replicas(batch: int, world: int) -> Finding:
+    used = len(torch.empty(batch).chunk(world))
+    return Finding(
+        "uneven-shards",
+        "info",
+        f"batch {batch} is smaller than the {world} devices: DataParallel runs {used} replica(s), DDP cannot "
+        "give every rank data",
+        {"batch_size": batch, "world_size": world, "dp_replicas": used},
+        fix="use a batch of at least the device count",
+    )
+
+
+def _uneven_info(batch: int, world: int) -> Finding:
+    return Finding(
+        "uneven-shards",
+        "info",
+        f"batch {batch} does not split evenly over {world} ranks "
+        f"({'/'.join(str(len(t)) for t in torch.empty(batch).chunk(world))}); DataParallel still matches "
+        "single (it computes the loss on the gathered output)",
+        {"batch_size": batch, "world_size": world},
+    )

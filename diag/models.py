@@ -1,0 +1,187 @@
+"""``--model SPEC``: how commands find the user's model.
+
+Grammar (shared by ``gradcheck``, ``nancheck`` and ``ckpt``):
+
+- ``torchvision:NAME[?key=value&…]`` — a torchvision model builder, e.g.
+  ``torchvision:resnet18?num_classes=10`` (values are Python literals; ``true``/``false``
+  and bare words work too);
+- ``path/to/file.py:factory[?…]`` — a callable in a Python file;
+- ``package.module:factory[?…]`` — a callable in an importable module;
+- a built-in small model: ``mlp``, ``mlp-dropout``, ``mlp-unused``, ``cnn``, ``cnn-bn``
+  (see :data:`BUILTINS`); they adapt to ``--input-shape`` and ``--num-classes``.
+
+The factory is called with the keyword arguments and must return an ``nn.Module``.
+Resolved factories are picklable (rank processes started by forkserver can rebuild them).
+This module imports torch; commands import it only when they run.
+A spec that cannot be resolved is an :class:`~gpudiag.errors.InputError` (exit 2) saying
+what was tried.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpudiag.errors import CannotRunHere, InputError
+
+#: Built-in models: name → what it is (all take the input shape and the class count).
+BUILTINS = {
+    "mlp": "Flatten → Linear(·, 64) → ReLU → Linear(64, K): no BatchNorm, no dropout",
+    "mlp-dropout": "mlp with Dropout(p=0.5) after the ReLU",
+    "mlp-unused": "mlp plus a Linear layer forward never uses (DDP needs find_unused_parameters)",
+    "cnn": "Conv(·, 8, 3) → ReLU → AdaptiveAvgPool(4) → Flatten → Linear(128, K)",
+    "cnn-bn": "cnn with BatchNorm2d(8) after the convolution",
+}
+
+
+def _parse_kwargs(query: str, spec: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for part in filter(None, query.split("&")):
+        key, sep, raw = part.partition("=")
+        if not sep or not key.isidentifier():
+            raise InputError(f"bad --model {spec!r}: expected key=value after '?', got {part!r}")
+        lowered = raw.lower()
+        if lowered in ("true", "false", "none"):
+            kwargs[key] = {"true": True, "false": False, "none": None}[lowered]
+            continue
+        try:
+            kwargs[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            kwargs[key] = raw
+    return kwargs
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """A picklable model factory: ``factory()`` builds a fresh ``nn.Module``."""
+
+    spec: str
+    kind: str  # "builtin" | "torchvision" | "file" | "module"
+    target: str  # builtin name, torchvision name, file path or module name
+    attr: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    input_shape: tuple[int, ...] = (3, 32, 32)
+    num_classes: int = 10
+
+    def __call__(self) -> nn.Module:
+        if self.kind == "builtin":
+            model = _builtin(self.target, self.input_shape, self.num_classes)
+        else:
+            model = self._callable()(**self.kwargs)
+        if not isinstance(model, nn.Module):
+            raise InputError(f"--model {self.spec!r} returned {type(model).__name__}, not a torch nn.Module")
+        return model
+
+    def _callable(self) -> Any:
+        if self.kind == "torchvision":
+            try:
+                import torchvision
+            except ImportError as exc:
+                raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
+            return torchvision.models.get_model_builder(self.target)
+        if self.kind == "file":
+            return getattr(_load_file(self.target), self.attr)
+        return getattr(importlib.import_module(self.target), self.attr)
+
+
+def _load_file(path: str) -> Any:
+    name = f"gpudiag_user_model_{abs(hash(path))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"cannot load {path} as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise InputError(f"{path} failed to import: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def resolve_model(
+    spec: str, input_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10
+) -> ModelFactory:
+    """Check ``spec`` and return its factory (nothing is built yet)."""
+    text, _, query = spec.partition("?")
+    kwargs = _parse_kwargs(query, spec)
+    common = {"kwargs": kwargs, "input_shape": tuple(input_shape), "num_classes": num_classes}
+    if text in BUILTINS:
+        if kwargs:
+            raise InputError(f"built-in model {text!r} takes no arguments (use --input-shape/--num-classes)")
+        return ModelFactory(spec, "builtin", text, **common)
+    if text.startswith("torchvision:"):
+        name = text.removeprefix("torchvision:")
+        try:
+            import torchvision
+        except ImportError as exc:
+            raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
+        names = torchvision.models.list_models()
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise InputError(f"torchvision has no model {name!r}{hint}")
+        return ModelFactory(spec, "torchvision", name, **common)
+    target, sep, attr = text.rpartition(":")
+    if not sep or not attr.isidentifier() or not target:
+        known = ", ".join(BUILTINS)
+        raise InputError(
+            f"bad --model {spec!r}: expected torchvision:NAME, path/to/file.py:factory, "
+            f"package.module:factory or a built-in ({known})"
+        )
+    if target.endswith(".py") or "/" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise InputError(f"--model {spec!r}: file {target} does not exist")
+        module = _load_file(str(path.resolve()))
+        if not callable(getattr(module, attr, None)):
+            raise InputError(f"--model {spec!r}: {target} has no callable {attr!r}")
+        return ModelFactory(spec, "file", str(path.resolve()), attr, **common)
+    try:
+        module = importlib.import_module(target)
+    except ImportError as exc:
+        raise InputError(f"--model {spec!r}: cannot import module {target!r} ({exc})") from exc
+    if not callable(getattr(module, attr, None)):
+        raise InputError(f"--model {spec!r}: module {target} has no callable {attr!r}")
+    return ModelFactory(spec, "module", target, attr, **common)
+
+
+class PassThrough(nn.Linear):
+    """A layer that sits in the model with parameters but passes its input through:
+    its parameters never get a gradient (what ``find_unused_parameters`` is for)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _builtin(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module:
+    features = math.prod(input_shape)
+    if name.startswith("mlp"):
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(features, 64), nn.ReLU()]
+        if name == "mlp-dropout":
+            layers.append(nn.Dropout(0.5))
+        layers.append(nn.Linear(64, classes))
+        if name == "mlp-unused":
+            layers.append(PassThrough(classes, classes))
+        return nn.Sequential(*layers)
+    if len(input_shape) != 3:
+        raise InputError(
+            f"built-in {name!r} needs --input-shape C,H,W, got {','.join(map(str, input_shape))}"
+        )
+    layers = [nn.Conv2d(input_shape[0], 8, 3, padding=1)]
+    if name == "cnn-bn":
+        layers.append(nn.BatchNorm2d(8))
+    layers += [nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(8 * 16, classes)]
+    return nn.Sequential(*layers)
