@@ -32,6 +32,7 @@ from torch import nn
 
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
+from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import DTYPES, ModelFn
 
 SCHEMA = "gpudiag.gradcheck/1"
@@ -119,6 +120,20 @@ class GradcheckReport:
     comparisons: list[Comparison]
     findings: list[Finding]
     config: dict[str, Any]
+    recorders: dict[str, Recorder] = field(default_factory=dict)  # per run, for --trace
+
+    def summary(self) -> str:
+        """One line per comparison and finding, for assertion messages and logs."""
+        lines = [f"gradcheck verdict: {self.verdict}"]
+        for c in self.comparisons:
+            options = "".join(f", {k}={v}" for k, v in c.options.items())
+            lines.append(
+                f"  {c.strategy} ({c.mode}{options}): "
+                f"{'ok' if c.ok else 'DIFFERS'} rel_norm_err={c.rel_norm_err:.3g} cosine={c.cosine:.6f} "
+                f"norm_ratio={c.norm_ratio:.4g} first_bad_param={c.first_bad_param}"
+            )
+        lines += [f"  [{f.severity}] {f.code}: {f.message}" for f in self.findings]
+        return "\n".join(lines)
 
     def exit_code(self, strict: bool = False) -> int:
         if self.verdict == "fail" or (strict and self.verdict == "explained"):
@@ -365,6 +380,7 @@ def gradcheck(
         first_mode = "controlled" if mode == "controlled" else "as-is"
         factory = Controlled(model_factory) if first_mode == "controlled" else model_factory
         outcome = _run_all(factory, inputs, targets, base, wanted)
+        recorders = _recorders(outcome, first_mode)
         findings += _notes(outcome)
         findings += _failures(outcome, factory, inputs, targets, base)
         comparisons = _compare_all(outcome, first_mode, world, tol, traits.order)
@@ -395,6 +411,7 @@ def gradcheck(
             causes = _train_mode_causes(traits) if first_mode == "as-is" else []
             if causes and mode == "auto":
                 controlled = _run_all(Controlled(model_factory), inputs, targets, base, wanted)
+                recorders.update(_recorders(controlled, "controlled"))
                 again = _compare_all(controlled, "controlled", world, tol, traits.order)
                 comparisons += again
                 if all(c.ok for c in again) and not controlled.failures:
@@ -472,7 +489,33 @@ def gradcheck(
             "inject": list(inject),
             "ddp_shards": "contiguous torch.chunk pieces of the global batch: rank r gets chunk r",
         },
+        recorders=recorders,
     )
+
+
+def gradcheck_spec(
+    model: str,
+    *,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    num_classes: int = 10,
+    batch_size: int = 8,
+    loss: str = "ce",
+    **options: Any,
+) -> GradcheckReport:
+    """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch, compare."""
+    from gpudiag.models import random_batch, resolve_model
+
+    factory = resolve_model(model, input_shape, num_classes)
+    options["inject"] = tuple(options.get("inject", ()))
+    options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
+    seed = options.get("seed", 0)
+    inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed)
+    describe = {"model": model, "input_shape": list(input_shape), "num_classes": num_classes}
+    return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)
+
+
+def _recorders(outcome: _Run, mode: str) -> dict[str, Recorder]:
+    return {f"{name} ({mode})": r.recorder for name, r in outcome.results.items() if r.recorder.events()}
 
 
 def _has_errors(findings: list[Finding]) -> bool:

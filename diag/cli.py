@@ -130,6 +130,96 @@ def topology(
     render("topology", analyze(topo), fmt, sys.stdout)
 
 
+def _dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    from gpudiag.models import parse_dims
+
+    try:
+        return parse_dims(value)
+    except GpudiagError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in value.split(",") if s.strip())
+    bad = [s for s in names if s not in ("single", "dp", "ddp")]
+    if bad or not names:
+        raise click.BadParameter(f"expected a list of single, dp, ddp; got {value!r}", ctx=ctx, param=param)
+    return names
+
+
+@cli.command()
+@click.option(
+    "--model",
+    "model",
+    required=True,
+    metavar="SPEC",
+    help="torchvision:NAME[?k=v], path/file.py:factory, package.module:factory, or a built-in "
+    "(mlp, mlp-dropout, mlp-unused, cnn, cnn-bn).",
+)
+@click.option(
+    "--input-shape",
+    default="3,32,32",
+    show_default=True,
+    callback=_dims,
+    metavar="DIMS",
+    help="One sample's shape, without the batch dimension.",
+)
+@click.option(
+    "--num-classes", default=10, show_default=True, type=click.IntRange(1), help="Classes for ce losses."
+)
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1), help="Global batch size.")
+@click.option(
+    "--loss", type=click.Choice(["ce", "ce-sum", "mse", "mse-sum"]), default="ce", show_default=True
+)
+@click.option(
+    "--strategies",
+    default="single,dp,ddp",
+    show_default=True,
+    callback=_strategies,
+    help="Comma-separated; single is always the reference.",
+)
+@click.option(
+    "--world-size",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Devices for dp and ranks for ddp (CUDA if there are enough GPUs, else CPU virtual devices).",
+)
+@click.option("--steps", default=1, show_default=True, type=click.IntRange(1), help="Optimizer steps.")
+@click.option("--lr", default=0.01, show_default=True, type=float)
+@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
+@click.option(
+    "--mode",
+    type=click.Choice(["auto", "as-is", "controlled"]),
+    default="auto",
+    show_default=True,
+    help="controlled: BatchNorm on running statistics, dropout off; auto: as-is, then controlled "
+    "where that could explain a difference.",
+)
+@click.option("--seed", default=0, show_default=True, type=int)
+@runtime_options
+@click.option(
+    "--strict", is_flag=True, help="Exit 1 when differences are explained, not only when they fail."
+)
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **options: Any) -> None:
+    """Do single-GPU, DataParallel and DDP compute the same gradients? If not, why?
+
+    Exit 0 for pass or explained (1 with --strict), 1 for fail.
+    """
+    from gpudiag.checks.gradcheck import gradcheck_spec
+    from gpudiag.render import render
+    from gpudiag.runtime.record import write_trace
+
+    report = gradcheck_spec(**options)
+    if trace:
+        write_trace(trace, report.recorders, force=True)
+    render("gradcheck", report, fmt, sys.stdout)
+    ctx.exit(report.exit_code(strict))
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="gpudiag")

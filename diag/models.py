@@ -185,3 +185,41 @@ def _builtin(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module
         layers.append(nn.BatchNorm2d(8))
     layers += [nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(8 * 16, classes)]
     return nn.Sequential(*layers)
+
+
+def random_batch(
+    factory: Any,
+    batch_size: int,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    loss: str,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random batch: inputs of ``(batch_size, *input_shape)`` and targets — class
+    indices below ``num_classes`` for ``ce`` losses, standard-normal values shaped like the
+    model's output for ``mse`` losses (read from one forward pass in eval mode)."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batch_size, *input_shape, generator=generator)
+    if loss.startswith("ce"):
+        return inputs, torch.randint(0, num_classes, (batch_size,), generator=generator)
+    torch.manual_seed(seed)
+    probe = factory().eval()
+    try:
+        with torch.no_grad():
+            out = probe(inputs[: min(2, batch_size)])
+    except Exception as exc:
+        raise InputError(
+            f"the model does not accept inputs of shape {tuple(inputs.shape[1:])}: {exc}"
+        ) from exc
+    return inputs, torch.randn(batch_size, *out.shape[1:], generator=generator)
+
+
+def parse_dims(text: str) -> tuple[int, ...]:
+    """``3,32,32`` → (3, 32, 32); an InputError for anything else."""
+    try:
+        dims = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise InputError(f"bad shape {text!r}: expected positive integers like 3,32,32")
+    return dims

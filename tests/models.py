@@ -75,3 +75,16 @@ def batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+class TwoInputRegressor(nn.Module):
+    """A regression model with two input tensors and a dict output (not classification)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(4, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> dict:
+        return {"pred": self.head(torch.tanh(self.a(x) + self.b(z)))}

@@ -13,3 +13,7 @@ def write(document: dict[str, Any], stream: TextIO) -> None:
 
 def topology(report: Any, stream: TextIO) -> None:
     write(report.to_json(), stream)
+
+
+def gradcheck(report: Any, stream: TextIO) -> None:
+    write(report.to_json(), stream)

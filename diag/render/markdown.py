@@ -74,3 +74,45 @@ def topology(report: Any, stream: TextIO) -> None:
     stream.write("\n".join(out) + "\n")
     stream.write(findings(report.warnings, "Warnings"))
     stream.write(findings(report.advice, "Advice"))
+
+
+def gradcheck(report: Any, stream: TextIO) -> None:
+    cfg = report.config
+    out = [
+        f"## gradcheck: **{report.verdict}**",
+        "",
+        f"Model `{cfg.get('model', '?')}`, batch {cfg['batch_size']}, world size {cfg['world_size']} "
+        f"({cfg['devices']['kind']} devices), {cfg['dtype']}, loss `{cfg['loss']}`, {cfg['steps']} step(s), "
+        f"seed {cfg['seed']}. Tolerance: relative norm error ≤ {report.tolerance['rel_norm_err']:.3g} "
+        f"({report.tolerance['basis']}); " + ", ".join(f"{k} {v}" for k, v in report.settings.items()) + ".",
+        "",
+    ]
+    rows = [
+        [
+            c.strategy
+            + (" (" + ", ".join(f"{k}={v}" for k, v in c.options.items()) + ")" if c.options else ""),
+            c.mode,
+            "ok" if c.ok else "**differs**",
+            f"{c.rel_norm_err:.2e}",
+            f"{c.cosine:.6f}",
+            f"{c.norm_ratio:.4f}",
+            f"{c.max_abs_err:.2e}",
+            f"`{c.worst_param}`" if c.worst_param else "—",
+            f"`{c.first_bad_param}`" if c.first_bad_param else "—",
+        ]
+        for c in report.comparisons
+    ]
+    header = [
+        "strategy",
+        "mode",
+        "result",
+        "rel norm err",
+        "cosine",
+        "norm ratio",
+        "max abs err",
+        "worst param",
+        "first bad param",
+    ]
+    out += [table(header, rows), ""]
+    stream.write("\n".join(out) + "\n")
+    stream.write(findings(report.findings, "Findings"))

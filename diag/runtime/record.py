@@ -105,16 +105,13 @@ class Recorder:
         return "\n".join(lines) + ("\n" if lines else "")
 
     def write(self, path: str, *, force: bool = False) -> None:
-        """``--trace FILE``: JSON Lines when the name ends in ``.jsonl``, else the Chrome
-        trace format (open it in https://ui.perfetto.dev). Written atomically."""
-        from gpudiag.fileio import atomic_write
+        """``--trace FILE`` for one run (see :func:`write_trace`)."""
+        write_trace(path, {"run": self}, force=force)
 
-        text = self.to_jsonl() if path.endswith(".jsonl") else json.dumps(self.to_chrome_trace())
-        atomic_write(path, text, force=force)
-
-    def to_chrome_trace(self) -> dict[str, Any]:
+    def to_chrome_trace(self, pid: int = 0) -> dict[str, Any]:
         """Chrome trace events: phases and steps as complete events ("X"), one track per
-        device/rank; transfers as complete events on the destination's track."""
+        device/rank; transfers as complete events on the destination's track; buckets as
+        instant events on their rank's track."""
         events: list[dict[str, Any]] = []
 
         def complete(name: str, cat: str, start: float, end: float, tid: int, args: dict[str, Any]) -> None:
@@ -125,7 +122,7 @@ class Recorder:
                     "ph": "X",
                     "ts": round(start * 1e6, 3),
                     "dur": round(max(end - start, 0.0) * 1e6, 3),
-                    "pid": 0,
+                    "pid": pid,
                     "tid": tid,
                     "args": args,
                 }
@@ -154,3 +151,29 @@ class Recorder:
                 }
             )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def chrome_trace(recorders: dict[str, Recorder]) -> dict[str, Any]:
+    """One Chrome trace for several runs: a process per run, named after it."""
+    events: list[dict[str, Any]] = []
+    for pid, (name, recorder) in enumerate(recorders.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+        events += recorder.to_chrome_trace(pid)["traceEvents"]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: str, recorders: dict[str, Recorder], *, force: bool = False) -> None:
+    """``--trace FILE``: JSON Lines when the name ends in ``.jsonl`` (each line names its
+    run), else the Chrome trace format (open it in https://ui.perfetto.dev). Atomic."""
+    from gpudiag.fileio import atomic_write
+
+    if path.endswith(".jsonl"):
+        lines = [
+            json.dumps({"run": name, "type": kind, **asdict(event)})
+            for name, recorder in recorders.items()
+            for kind, event in recorder.events()
+        ]
+        text = "\n".join(lines) + ("\n" if lines else "")
+    else:
+        text = json.dumps(chrome_trace(recorders))
+    atomic_write(path, text, force=force)
