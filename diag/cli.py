@@ -7,6 +7,8 @@ pynvml, rich) are imported inside commands, so ``gpudiag --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import Any
 
@@ -221,5 +223,21 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
 
 def main() -> None:
-    """Console-script entry point."""
-    cli(prog_name="gpudiag")
+    """Console-script entry point.
+
+    Once the command has finished and its output is flushed, the process leaves with
+    ``os._exit``: tearing down an interpreter that loaded torch takes most of a second and
+    does nothing a finished command needs (its files are already closed and renamed, rank
+    processes already reaped).
+    """
+    try:
+        cli(prog_name="gpudiag")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            stream.flush()
+    os._exit(code)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from gpudiag.errors import InputError
 from gpudiag.runtime.faults import FaultPlan, corrupt
-from gpudiag.runtime.launch import launch
+from gpudiag.runtime.launch import Ranks, start
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.run import (
     ModelFn,
@@ -114,37 +114,58 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 
 def run_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
     """Launch one process per device of ``config.devices`` and run DDP steps."""
+    return start_ddp(model_fn, inputs, targets, config).result()
+
+
+@dataclass
+class DdpRun:
+    """DDP ranks that are running; :meth:`result` waits for them (see :func:`start_ddp`)."""
+
+    ranks: Ranks
+    config: RunConfig
+    origin: float
+
+    def result(self) -> RunResult:
+        payloads = [unpack(p) for p in self.ranks.wait()]
+        recorder = Recorder(enabled=self.config.watch, origin=self.origin)
+        for data in payloads:
+            recorder_from_data(recorder, data["recorder"])
+        first = payloads[0]
+        gloo = self.config.devices.kind == "virtual"
+        return RunResult(
+            strategy="ddp",
+            losses=first["losses"],
+            grads=first["grads"],
+            params=first["params"],
+            buffers=first["buffers"],
+            recorder=recorder,
+            notes=[sync_batchnorm_note("ddp")] if self.config.sync_batchnorm and gloo else [],
+            rank_losses=[r["losses"] for r in payloads],
+            rank_digests=[r["digests"] for r in payloads],
+            initial_params=first["initial"],
+        )
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+def start_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> DdpRun:
+    """Start the DDP ranks and return at once: the caller can run other strategies while
+    they work, then call :meth:`DdpRun.result` (or :meth:`DdpRun.close` to abandon them)."""
     world = len(config.devices)
     shards = len(targets.chunk(world))
     if shards < world:
         raise InputError(f"a batch of {len(targets)} gives {shards} shard(s) for {world} DDP ranks")
     backend = "gloo" if config.devices.kind == "virtual" else "nccl"
     origin = time.perf_counter()
-    payloads = launch(
+    ranks = start(
         _rank,
         world,
         backend=backend,
         timeout=config.timeout,
         args=(model_fn, inputs, targets, config, origin),
     )
-    ranks = [unpack(p) for p in payloads]
-    recorder = Recorder(enabled=config.watch, origin=origin)
-    for data in ranks:
-        recorder_from_data(recorder, data["recorder"])
-    first = ranks[0]
-    notes = [sync_batchnorm_note("ddp")] if config.sync_batchnorm and backend == "gloo" else []
-    return RunResult(
-        strategy="ddp",
-        losses=first["losses"],
-        grads=first["grads"],
-        params=first["params"],
-        buffers=first["buffers"],
-        recorder=recorder,
-        notes=notes,
-        rank_losses=[r["losses"] for r in ranks],
-        rank_digests=[r["digests"] for r in ranks],
-        initial_params=first["initial"],
-    )
+    return DdpRun(ranks, config, origin)
 
 
 def _shard(inputs: Any, rank: int, world: int) -> Any:
@@ -228,13 +249,17 @@ def _rank(
         if config.track_params:
             digests.append(digest(ddp.module))
     module = ddp.module
+    lead = rank == 0  # the others' tensors are rank 0's after the all-reduce: send only theirs
+    send_state = lead and config.keep_state
     return pack(
         {
             "losses": losses,
             "digests": digests,
-            "grads": stepper.first_grads,
-            "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()},
-            "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()},
+            "grads": stepper.first_grads if lead else {},
+            "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+            if send_state
+            else {},
+            "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()} if send_state else {},
             "recorder": recorder_to_data(recorder),
             "initial": initial,
         }

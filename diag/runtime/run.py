@@ -63,6 +63,7 @@ class RunConfig:
     broadcast_buffers: bool = True
     sync_batchnorm: bool = False
     track_params: bool = False  # ddp: digest every rank's parameters after every step
+    keep_state: bool = True  # return the parameters and buffers after the last step
     timeout: float = 120.0
 
     def __post_init__(self) -> None:
@@ -274,8 +275,8 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         strategy=config.strategy,
         losses=losses,
         grads=stepper.first_grads,
-        params=_cpu(dict(model.named_parameters())),
-        buffers=_cpu(dict(model.named_buffers())),
+        params=_cpu(dict(model.named_parameters())) if config.keep_state else {},
+        buffers=_cpu(dict(model.named_buffers())) if config.keep_state else {},
         recorder=recorder,
         notes=notes,
         initial_params=initial,
