@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
+import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -329,14 +330,50 @@ def digest(model: nn.Module) -> str:
 
 
 def pack(obj: Any) -> bytes:
-    """Tensors and plain data → bytes (loadable with ``weights_only=True``)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+    """Plain data with tensors in it → bytes, without pickle: the tensors go into a
+    safetensors blob, everything else into JSON with a reference in each tensor's place.
+    Layout: 8-byte little-endian JSON length, the JSON, the safetensors bytes."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def encode(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = str(len(tensors))
+            tensors[key] = value.detach().cpu().contiguous()
+            return {"__tensor__": key}
+        if isinstance(value, dict):
+            return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            return [encode(v) for v in value]
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"__float__": repr(value)}
+        return value
+
+    meta = json.dumps(encode(obj)).encode()
+    return len(meta).to_bytes(8, "little") + meta + save(tensors)
 
 
 def unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
+    """The inverse of :func:`pack`."""
+    from safetensors.torch import load
+
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + size])
+    tensors = load(data[8 + size :])
+
+    def decode(value: Any) -> Any:
+        if isinstance(value, dict):
+            if "__tensor__" in value:
+                return tensors[value["__tensor__"]]
+            if "__float__" in value:
+                return float(value["__float__"])
+            return {decode(k): decode(v) for k, v in value["__dict__"]}
+        if isinstance(value, list):
+            return [decode(v) for v in value]
+        return value
+
+    return decode(meta)
 
 
 def recorder_to_data(recorder: Recorder) -> dict[str, Any]:
