@@ -181,7 +181,7 @@ def compare(
         )
         p_abs = float(delta.max()) if delta.numel() else 0.0
         p_rel = float(delta.div_(b.abs().clamp_min(1e-12)).max()) if delta.numel() else 0.0
-        max_abs, max_rel = max(max_abs, p_abs), max(max_rel, p_rel)
+        max_abs, max_rel = _nan_max(max_abs, p_abs), _nan_max(max_rel, p_rel)
         rel_norm = d_norm / b_norm if b_norm > 0 else (0.0 if d_norm == 0 else math.inf)
         diffs.append(ParamDiff(name, p_abs, p_rel, rel_norm))
     if not diffs:
@@ -211,6 +211,11 @@ def compare(
         comparison.update_rel_err = _update_error(got, ref, order)
         comparison.ok = comparison.ok and comparison.update_rel_err <= tol * 10
     return comparison
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max that keeps NaN (Python's max drops it depending on the order)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _moved(result: RunResult) -> bool:
@@ -757,9 +762,9 @@ def _train_mode_findings(traits: ModelTraits, diffs: list[Comparison], confirmed
             Finding(
                 "batchnorm-per-replica",
                 "warning",
-                f"BatchNorm in train mode ({len(traits.batchnorm)} layer(s), e.g. {traits.batchnorm[0]}) "
-                f"normalises each replica's sub-batch with its own statistics: relative norm error "
-                f"{worst.rel_norm_err:.3g}; {how}",
+                f"BatchNorm in train mode ({len(traits.batchnorm)} layer(s), "
+                f"e.g. module {traits.batchnorm[0]!r}) normalises each replica's sub-batch with its own "
+                f"statistics: relative norm error {worst.rel_norm_err:.3g}; {how}",
                 {**evidence, "modules": list(traits.batchnorm)},
                 cause="per-device batch statistics (expected with DP and with DDP without SyncBatchNorm)",
                 fix="for agreement, use SyncBatchNorm under DDP (torch.nn.SyncBatchNorm."
@@ -771,8 +776,9 @@ def _train_mode_findings(traits: ModelTraits, diffs: list[Comparison], confirmed
             Finding(
                 "dropout-active",
                 "warning",
-                f"dropout in train mode ({len(traits.dropout)} layer(s), e.g. {traits.dropout[0]}) draws "
-                f"different masks under each strategy: relative norm error {worst.rel_norm_err:.3g}; {how}",
+                f"dropout in train mode ({len(traits.dropout)} layer(s), e.g. module {traits.dropout[0]!r}) "
+                f"draws different masks under each strategy: relative norm error "
+                f"{worst.rel_norm_err:.3g}; {how}",
                 {**evidence, "modules": list(traits.dropout)},
                 cause="random masks depend on how the batch is split and which RNG each device uses",
                 fix="compare with dropout off (model.eval() for those layers); in training this is expected",
