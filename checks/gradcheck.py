@@ -266,12 +266,17 @@ class Prebuilt:
         self.factory = factory
         self.template: nn.Module | None = None
         self.rng_after: torch.Tensor | None = None
+        self.unwrapped: list[str] = []
 
     def __call__(self) -> nn.Module:
         import copy
 
         if self.template is None:
-            self.template = self.factory()
+            from gpudiag.models import unwrap
+
+            # The seeds wrap models in nn.DataParallel before training: compare the model
+            # itself (each strategy applies its own wrapping).
+            self.template, self.unwrapped = unwrap(self.factory())
             self.rng_after = torch.get_rng_state()
             return copy.deepcopy(self.template)
         assert self.rng_after is not None
@@ -526,6 +531,7 @@ def gradcheck(
             "seed": seed,
             "inject": list(inject),
             "ddp_shards": "contiguous torch.chunk pieces of the global batch: rank r gets chunk r",
+            "unwrapped": model_factory.unwrapped,
         },
         recorders=recorders,
     )
@@ -595,10 +601,10 @@ def _compare_all(
 
 
 def _notes(outcome: _Run) -> list[Finding]:
-    seen: dict[str, Finding] = {}
+    seen: dict[tuple[str, str], Finding] = {}
     for result in outcome.results.values():
         for note in result.notes:
-            seen.setdefault(note.code, note)
+            seen.setdefault((note.code, note.message), note)
     return list(seen.values())
 
 

@@ -200,6 +200,11 @@ def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     "where that could explain a difference.",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--sync-batchnorm",
+    is_flag=True,
+    help="Convert BatchNorm to SyncBatchNorm under ddp (CUDA only; on CPU the run says it skipped it).",
+)
 @runtime_options
 @click.option(
     "--strict", is_flag=True, help="Exit 1 when differences are explained, not only when they fail."

@@ -223,3 +223,22 @@ def parse_dims(text: str) -> tuple[int, ...]:
     if not dims or any(d < 1 for d in dims):
         raise InputError(f"bad shape {text!r}: expected positive integers like 3,32,32")
     return dims
+
+
+#: Wrappers whose state-dict keys gain a prefix: DataParallel/DDP (``module.``) and
+#: ``torch.compile`` (``_orig_mod.``).
+WRAPPER_ATTRS = (("module", ("DataParallel", "DistributedDataParallel")), ("_orig_mod", ("OptimizedModule",)))
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The model inside DataParallel / DDP / ``torch.compile`` wrappers (any depth), and
+    the prefixes peeled off (``["module."]``)."""
+    peeled = []
+    while True:
+        for attr, names in WRAPPER_ATTRS:
+            if type(model).__name__ in names and isinstance(getattr(model, attr, None), nn.Module):
+                model = getattr(model, attr)
+                peeled.append(attr + ".")
+                break
+        else:
+            return model, peeled

@@ -184,3 +184,27 @@ def test_pytest_helper() -> None:
     assert (
         assert_strategies_agree(models.bn_net, x, y, allow=["batchnorm-per-replica"]).verdict == "explained"
     )
+
+
+def wrapped_mlp() -> torch.nn.Module:
+    return torch.nn.DataParallel(models.mlp())  # what the seeds do before training
+
+
+def test_dataparallel_wrapped_factory_is_compared_unwrapped() -> None:
+    import gpudiag
+
+    x, y = models.batch(8)
+    report = gpudiag.gradcheck(wrapped_mlp, x, y)
+    assert report.verdict == "pass", report.summary()
+    assert report.config["unwrapped"] == ["module."]
+    assert report.comparisons[0].params[0].name == "0.weight"
+
+
+def test_sync_batchnorm_on_cpu_is_skipped_with_the_reason() -> None:
+    code, doc = gradcheck("--model", "cnn-bn", *SMALL, "--sync-batchnorm")
+    assert code == 0
+    notes = [f["message"] for f in doc["findings"] if f["code"] == "syncbn-skipped"]
+    assert any("CPU" in n for n in notes) and any(
+        "only works with DistributedDataParallel" in n for n in notes
+    )
+    assert "batchnorm-per-replica" in codes(doc)

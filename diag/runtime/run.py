@@ -247,7 +247,7 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
     transport = Transport(devices, recorder, FaultPlan.parse(config.faults))
     model = build_model(model_fn, config.seed).to(devices.torch_device(devices.ids[0]))
     notes: list[Finding] = []
-    if config.sync_batchnorm:
+    if config.sync_batchnorm and config.strategy == "dp":
         notes.append(sync_batchnorm_note(config.strategy))
 
     def forward(x: Any) -> Any:
