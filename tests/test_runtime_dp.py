@@ -121,6 +121,8 @@ def test_each_fault_kind_is_recorded_at_the_right_step_link_and_phase(kind: str)
     clean = [u for u in result.recorder.transfers if u.step == 2 and u.phase == "gather" and not u.faults]
     assert clean == []
     assert (t.nonfinite > 0) == (kind in ("nan", "inf"))
+    assert t.corrupted  # what arrived differs from what was sent
+    assert not any(u.corrupted for u in result.recorder.transfers if not u.faults and u.step == 1)
 
 
 def test_fault_from_a_step_on_hits_every_transfer_after() -> None:

@@ -16,7 +16,9 @@ from typing import Any
 @dataclass
 class Transfer:
     """One tensor crossing devices in ``dp``: ``bytes`` moved, a ``checksum`` (float64 sum
-    of what arrived), ``nonfinite`` (NaN/Inf count of what arrived), ``faults`` injected."""
+    of what arrived) and ``sent_checksum`` (of what was sent), ``nonfinite`` (NaN/Inf
+    count of what arrived), ``faults`` injected. ``corrupted``: the two checksums differ —
+    a copy is exact, so any difference is data changed on the way."""
 
     step: int
     phase: str  # scatter | replicate | gather | gather-grad | reduce
@@ -30,6 +32,17 @@ class Transfer:
     end: float
     name: str = ""
     faults: list[str] = field(default_factory=list)
+    sent_checksum: float | None = None  # the same checksum at the source, before the copy
+
+    @property
+    def corrupted(self) -> bool:
+        """What arrived differs from what was sent (NaN-aware)."""
+        if self.sent_checksum is None:
+            return False
+        return not (
+            self.checksum == self.sent_checksum
+            or (self.checksum != self.checksum and self.sent_checksum != self.sent_checksum)
+        )
 
 
 @dataclass

@@ -41,6 +41,7 @@ class Transport:
     def move(self, tensor: torch.Tensor, src: int, dst: int, phase: str, name: str = "") -> torch.Tensor:
         """Copy ``tensor`` to ``dst`` (outside autograd), injecting and recording."""
         start = self.recorder.now() if self.recorder else 0.0
+        sent = sum_and_nonfinite(tensor)[0] if self.recorder is not None else None
         target = self.devices.torch_device(dst)
         out = tensor.to(target, copy=True) if self.devices.kind == "virtual" else tensor.to(target)
         applied = []
@@ -64,6 +65,7 @@ class Transport:
                     end=self.recorder.now(),
                     name=name,
                     faults=applied,
+                    sent_checksum=float(sent) if sent is not None else None,
                 )
             )
         return out
