@@ -227,6 +227,44 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
     ctx.exit(report.exit_code(strict))
 
 
+@cli.command()
+@click.option("--pairs", default="all", show_default=True, metavar="all|A-B,…", help="GPU pairs to train on.")
+@click.option("--strategy", type=click.Choice(["dp", "ddp"]), default="dp", show_default=True)
+@click.option(
+    "--steps", default=10, show_default=True, type=click.IntRange(1), help="Training steps per run."
+)
+@click.option("--model", default="mlp", show_default=True, metavar="SPEC", help="As for gradcheck.")
+@click.option("--input-shape", default="3,32,32", show_default=True, callback=_dims, metavar="DIMS")
+@click.option("--num-classes", default=10, show_default=True, type=click.IntRange(1))
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--lr", default=0.01, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--machine",
+    "machine_file",
+    metavar="FILE",
+    help="Run on CPU virtual devices laid out like this machine file (no GPU needed).",
+)
+@runtime_options
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def nancheck(ctx: click.Context, fmt: str, trace: str | None, **options: Any) -> None:
+    """Find the GPU pair, the link and the step where training goes NaN.
+
+    Trains on every GPU alone and on every pair, and names a link-corruption, a
+    device-fault, a numeric-divergence or a loss-explosion. Exit 0 pass, 1 fail.
+    """
+    from gpudiag.checks.nancheck import nancheck_spec
+    from gpudiag.render import render
+
+    options["inject"] = tuple(options["inject"])
+    if trace:
+        raise click.UsageError("nancheck does not write traces yet; use gradcheck --trace")
+    report = nancheck_spec(**options)
+    render("nancheck", report, fmt, sys.stdout)
+    ctx.exit(report.exit_code())
+
+
 def main() -> None:
     """Console-script entry point.
 

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 FORMATS = {
     "topology": ("text", "json", "markdown", "dot"),
     "gradcheck": ("text", "json", "markdown"),
+    "nancheck": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
 

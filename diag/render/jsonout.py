@@ -17,3 +17,7 @@ def topology(report: Any, stream: TextIO) -> None:
 
 def gradcheck(report: Any, stream: TextIO) -> None:
     write(report.to_json(), stream)
+
+
+def nancheck(report: Any, stream: TextIO) -> None:
+    write(report.to_json(), stream)

@@ -116,3 +116,30 @@ def gradcheck(report: Any, stream: TextIO) -> None:
     out += [table(header, rows), ""]
     stream.write("\n".join(out) + "\n")
     stream.write(findings(report.findings, "Findings"))
+
+
+def _where(transfer: dict[str, Any] | None) -> str:
+    return f"{transfer['phase']} {transfer['src']}->{transfer['dst']}" if transfer else "—"
+
+
+def nancheck(report: Any, stream: TextIO) -> None:
+    rows = [
+        [
+            " & ".join(f"GPU{g}" for g in o.devices),
+            (report.links.get(o.devices) or "") if len(o.devices) == 2 else "alone",
+            "ok" if o.ok else f"**{o.status}**",
+            str(o.first_bad_step or "—"),
+            _where(o.first_bad_transfer),
+        ]
+        for o in [*report.singles, *report.pairs]
+    ]
+    out = [
+        f"## nancheck: **{report.verdict}**",
+        "",
+        f"{report.strategy}, {report.steps} steps per run, model `{report.config.get('model', '?')}`.",
+        "",
+        table(["run", "link", "status", "first bad step", "first bad data"], rows),
+        "",
+    ]
+    stream.write("\n".join(out) + "\n")
+    stream.write(findings(report.findings, "Findings"))

@@ -242,3 +242,75 @@ def _gradcheck(out: Any, report: Any) -> None:
         if len(c.params) > len(shown):
             out.print(f"  [dim]… {len(c.params) - len(shown)} more parameter(s) in the JSON output[/dim]")
     findings(out, report.findings, "Findings")
+
+
+STATUS_STYLE = {
+    "ok": "green",
+    "diverged": "bold red",
+    "exploded": "yellow",
+    "crashed": "magenta",
+    "hung": "magenta",
+}
+
+
+def nancheck(report: Any, stream: TextIO) -> None:
+    with text_console(stream) as out:
+        _nancheck(out, report)
+
+
+def _nancheck(out: Any, report: Any) -> None:
+    from rich import box
+    from rich.table import Table
+
+    style = VERDICT_STYLE.get(report.verdict, "bold")
+    cfg = report.config
+    out.print(
+        f"[bold]nancheck[/bold] [{style}]{report.verdict.upper()}[/{style}] · {report.strategy} · "
+        f"{report.steps} step(s) per run · model {cfg.get('model', '?')} · "
+        + (f"virtual devices of {cfg.get('machine')}" if cfg.get("devices") == "virtual" else "CUDA devices")
+    )
+    singles = {o.devices[0]: o for o in report.singles}
+    pairs = {o.devices: o for o in report.pairs}
+    gpus = sorted(set(singles) | {g for p in pairs for g in p})
+    matrix = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False, title="pairs (link, coloured by outcome); diagonal: GPU alone"
+    )
+    matrix.add_column("")
+    for g in gpus:
+        matrix.add_column(f"GPU{g}", justify="center")
+    for a in gpus:
+        row = []
+        for b in gpus:
+            if a == b:
+                o = singles.get(a)
+                row.append(
+                    "" if o is None else f"[{STATUS_STYLE[o.status]}]{'alone' if o.ok else o.status}[/]"
+                )
+                continue
+            o = pairs.get((min(a, b), max(a, b)))
+            if o is None:
+                row.append("[dim]·[/dim]")
+            else:
+                link = report.links.get(o.devices) or "?"
+                row.append(f"[{STATUS_STYLE[o.status]}]{link if o.ok else link + '✗'}[/]")
+        matrix.add_row(f"[bold]GPU{a}[/bold]", *row)
+    out.print(matrix)
+    bad = [o for o in report.pairs if not o.ok] + [o for o in report.singles if not o.ok]
+    if bad:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("run", "status", "first bad step", "first bad data"):
+            table.add_column(column)
+        for o in bad:
+            where = o.first_bad_transfer
+            table.add_row(
+                " & ".join(f"GPU{g}" for g in o.devices),
+                f"[{STATUS_STYLE[o.status]}]{o.status}[/]",
+                str(o.first_bad_step or "—"),
+                f"{where['phase']} {where['src']}->{where['dst']} at step {where['step']}"
+                if where
+                else (o.error or "—"),
+            )
+        out.print(table)
+    findings(out, report.findings, "Findings")
+    if not report.findings:
+        out.print("\nEvery GPU and every pair trained without non-finite values or explosion.")

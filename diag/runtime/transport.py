@@ -16,7 +16,7 @@ import torch
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
 from gpudiag.runtime.record import Recorder, Transfer
-from gpudiag.runtime.stats import sum_and_nonfinite
+from gpudiag.runtime.stats import checksum, count_nonfinite
 
 
 class Transport:
@@ -40,8 +40,9 @@ class Transport:
 
     def move(self, tensor: torch.Tensor, src: int, dst: int, phase: str, name: str = "") -> torch.Tensor:
         """Copy ``tensor`` to ``dst`` (outside autograd), injecting and recording."""
-        start = self.recorder.now() if self.recorder else 0.0
-        sent = sum_and_nonfinite(tensor)[0] if self.recorder is not None else None
+        recorder = self.recorder
+        start = recorder.now() if recorder is not None else 0.0
+        sent = checksum(tensor) if recorder is not None else None
         target = self.devices.torch_device(dst)
         out = tensor.to(target, copy=True) if self.devices.kind == "virtual" else tensor.to(target)
         applied = []
@@ -49,9 +50,10 @@ class Transport:
             for fault in self.faults.due(src, dst, self.step):
                 out = corrupt(out, fault)
                 applied.append(fault.text)
-        if self.recorder is not None:
-            stats = sum_and_nonfinite(out).tolist()
-            self.recorder.transfers.append(
+        if recorder is not None and sent is not None:
+            got = checksum(out)
+            sent_value, got_value = torch.stack([sent.to(got.device, got.dtype), got]).double().tolist()
+            recorder.transfers.append(
                 Transfer(
                     step=self.step,
                     phase=phase,
@@ -59,13 +61,13 @@ class Transport:
                     dst=dst,
                     link=self.devices.link(src, dst),
                     bytes=out.numel() * out.element_size(),
-                    checksum=stats[0],
-                    nonfinite=int(stats[1]),
+                    checksum=got_value,
+                    nonfinite=count_nonfinite(out, got_value),
                     start=start,
-                    end=self.recorder.now(),
+                    end=recorder.now(),
                     name=name,
                     faults=applied,
-                    sent_checksum=float(sent) if sent is not None else None,
+                    sent_checksum=sent_value,
                 )
             )
         return out

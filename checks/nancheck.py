@@ -1,0 +1,395 @@
+"""nancheck: find the GPU pair, the link and the step where training breaks.
+
+Trains the same model, data and seed for N steps on each GPU alone and on each selected
+pair (``dp`` or ``ddp``), watching every step through the runtime: non-finite loss,
+explosion (loss above :data:`EXPLOSION_FACTOR` × its first value), and — from the
+runtime's record — the first transfer (``dp``) or all-reduce bucket (``ddp``) that carried
+non-finite or corrupted data. Then concludes with one finding:
+
+- ``link-corruption``: only pairs over particular links fail, and their GPUs are healthy
+  elsewhere (alone and in other pairs);
+- ``device-fault``: every pair containing one GPU fails (or that GPU fails alone);
+- ``numeric-divergence``: single-GPU runs diverge too — the model or learning rate;
+- ``loss-explosion``: a pair's loss explodes without non-finite values while singles train;
+- none: pass.
+
+On virtual devices (``--machine``) faults come only from ``--inject``; that is how the
+detector is tested and demonstrated without GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from gpudiag.errors import CannotRunHere, InputError
+from gpudiag.findings import Finding
+from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
+from gpudiag.runtime.faults import Fault, parse_fault
+from gpudiag.runtime.run import ModelFn
+from gpudiag.topology.analysis import best_groups, cuda_visible_devices
+from gpudiag.topology.model import Topology, path_of
+
+SCHEMA = "gpudiag.nancheck/1"
+#: A loss above this multiple of its first value is an explosion.
+EXPLOSION_FACTOR = 100.0
+
+
+@dataclass
+class Outcome:
+    """One training run: a single GPU or a pair."""
+
+    devices: tuple[int, ...]
+    status: str  # ok | diverged | exploded | crashed | hung
+    first_bad_step: int | None
+    losses: list[float]
+    first_bad_transfer: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class NancheckReport:
+    verdict: str  # pass | fail
+    strategy: str
+    steps: int
+    singles: list[Outcome]
+    pairs: list[Outcome]
+    links: dict[tuple[int, int], str | None]
+    findings: list[Finding]
+    topology: Topology | None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def exit_code(self) -> int:
+        return 0 if self.verdict == "pass" else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "verdict": self.verdict,
+            "strategy": self.strategy,
+            "steps": self.steps,
+            "explosion_factor": EXPLOSION_FACTOR,
+            "config": self.config,
+            "singles": [
+                {
+                    "device": o.devices[0],
+                    "status": o.status,
+                    "first_bad_step": o.first_bad_step,
+                    "losses": [_num(x) for x in o.losses],
+                    "error": o.error,
+                }
+                for o in self.singles
+            ],
+            "pairs": [
+                {
+                    "a": o.devices[0],
+                    "b": o.devices[1],
+                    "link": self.links.get(o.devices),
+                    "status": o.status,
+                    "first_bad_step": o.first_bad_step,
+                    "first_bad_transfer": o.first_bad_transfer,
+                    "losses": [_num(x) for x in o.losses],
+                    "error": o.error,
+                }
+                for o in self.pairs
+            ],
+            "findings": [f.to_json() for f in self.findings],
+        }
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def parse_pairs(text: str, gpus: list[int]) -> list[tuple[int, int]]:
+    """``all`` or ``0-1,5-6`` → sorted pairs of known GPUs."""
+    if text.strip() == "all":
+        return list(itertools.combinations(sorted(gpus), 2))
+    pairs = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("-")
+        if not sep or not a.isdigit() or not b.isdigit() or a == b:
+            raise InputError(f"bad --pairs {text!r}: expected all or A-B,C-D (e.g. 0-1,5-6)")
+        pair = tuple(sorted((int(a), int(b))))
+        unknown = [g for g in pair if g not in gpus]
+        if unknown:
+            raise InputError(f"--pairs {text!r}: no GPU {', '.join(map(str, unknown))} here (GPUs: {gpus})")
+        pairs.append(pair)
+    return list(dict.fromkeys(pairs))  # type: ignore[arg-type]
+
+
+def _faults_for(devices: tuple[int, ...], faults: list[Fault], strategy: str) -> tuple[str, ...]:
+    """The --inject specs that apply to a run on ``devices``. dp transports use device
+    numbers; ddp faults name ranks, so device numbers are translated (rank i = devices[i])."""
+    out = []
+    for f in faults:
+        if (f.dst is not None and f.dst not in devices) or (f.src is not None and f.src not in devices):
+            continue
+        if strategy == "ddp":
+            f = replace(
+                f,
+                src=None if f.src is None else devices.index(f.src),
+                dst=None if f.dst is None else devices.index(f.dst),
+            )
+        out.append(f.text)
+    return tuple(out)
+
+
+def _outcome(devices: tuple[int, ...], result: RunResult, strategy: str) -> Outcome:
+    losses = result.losses
+    first = losses[0] if losses else math.nan
+    bad_step = next((i + 1 for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    exploded = next(
+        (i + 1 for i, x in enumerate(losses) if math.isfinite(x) and math.isfinite(first) and abs(first) > 0
+         and x > EXPLOSION_FACTOR * abs(first)),
+        None,
+    )  # fmt: skip
+    transfer = _first_bad_transfer(result, devices, strategy)
+    candidates = [s for s in (bad_step, transfer["step"] if transfer else None) if s is not None]
+    if candidates:
+        return Outcome(devices, "diverged", min(candidates), losses, transfer)
+    if exploded is not None:
+        return Outcome(devices, "exploded", exploded, losses, None)
+    return Outcome(devices, "ok", None, losses)
+
+
+def _first_bad_transfer(result: RunResult, devices: tuple[int, ...], strategy: str) -> dict[str, Any] | None:
+    rec = result.recorder
+    if strategy == "dp":
+        bad = next((t for t in rec.transfers if t.nonfinite or t.corrupted), None)
+        if bad is None:
+            return None
+        return {
+            "src": bad.src,
+            "dst": bad.dst,
+            "phase": bad.phase,
+            "step": bad.step,
+            "link": bad.link,
+            "tensor": bad.name,
+            "nonfinite": bad.nonfinite,
+            "corrupted": bad.corrupted,
+        }
+    buckets = sorted(rec.buckets, key=lambda b: (b.step, b.index, b.rank))
+    bad_b = next((b for b in buckets if b.nonfinite_before or b.nonfinite_after), None)
+    if bad_b is None:
+        return None
+    dst = devices[bad_b.rank]
+    src = devices[1 - bad_b.rank] if len(devices) == 2 else None
+    return {
+        "src": src,
+        "dst": dst,
+        "phase": "allreduce",
+        "step": bad_b.step,
+        "bucket": bad_b.index,
+        "before_allreduce": bool(bad_b.nonfinite_before),
+    }
+
+
+def nancheck(
+    model_factory: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    *,
+    machine: Topology | None = None,
+    pairs: str = "all",
+    strategy: str = "dp",
+    steps: int = 10,
+    lr: float = 0.01,
+    loss: str = "ce",
+    seed: int = 0,
+    inject: tuple[str, ...] | list[str] = (),
+    timeout: float = 120.0,
+    watch: bool = True,
+) -> NancheckReport:
+    """Train on every GPU alone and on every selected pair; locate where it breaks."""
+    if strategy not in ("dp", "ddp"):
+        raise InputError(f"--strategy must be dp or ddp, not {strategy!r}")
+    faults = [parse_fault(s) for s in inject]
+    if machine is not None:
+        gpus = sorted(info.index for info in machine.gpus.values())
+        make = lambda ids: DeviceSet.virtual(list(ids), machine)  # noqa: E731
+    else:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise CannotRunHere(
+                "no CUDA GPU here; simulate a machine with --machine FILE (make one from a capture: "
+                "gpudiag topology --from-file topo.txt --save-machine machine.json)"
+            )
+        gpus = list(range(count))
+        make = lambda ids: DeviceSet.cuda(list(ids))  # noqa: E731
+    chosen = parse_pairs(pairs, gpus)
+    singles_wanted = sorted({g for pair in chosen for g in pair}) if pairs.strip() != "all" else gpus
+    base = RunConfig("single", make([gpus[0]]), steps=steps, lr=lr, loss=loss, seed=seed, timeout=timeout,
+                     keep_state=False, watch=watch)  # fmt: skip
+    singles = [
+        _outcome((g,), run(model_factory, inputs, targets, replace(base, devices=make([g]))), "single")
+        for g in singles_wanted
+    ]
+    outcomes = []
+    for pair in chosen:
+        config = replace(
+            base, strategy=strategy, devices=make(pair), faults=_faults_for(pair, faults, strategy)
+        )
+        try:
+            outcomes.append(_outcome(pair, run(model_factory, inputs, targets, config), strategy))
+        except RankFailure as failure:
+            status = "hung" if failure.code == "rank-hung" else "crashed"
+            outcomes.append(Outcome(pair, status, None, [], None, str(failure)))
+    links = {pair: (machine.cell(f"GPU{pair[0]}", f"GPU{pair[1]}") if machine else None) for pair in chosen}
+    findings = conclude(singles, outcomes, links, machine, strategy)
+    verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
+    return NancheckReport(
+        verdict, strategy, steps, singles, outcomes, links, findings, machine,
+        config={"pairs": pairs, "inject": list(inject), "lr": lr, "loss": loss, "seed": seed,
+                "devices": "virtual" if machine is not None else "cuda"},
+    )  # fmt: skip
+
+
+def _confirm_and_fix(machine: Topology | None) -> tuple[str, str]:
+    confirm = (
+        "rerun the failing pair with NCCL_P2P_DISABLE=1 (and for DataParallel, stage copies through the host)"
+    )
+    fix = "check IOMMU/ACS on the host (kernel parameter iommu=pt, or pci=noacs / ACS off in the BIOS)"
+    if machine is not None:
+        groups = [
+            g
+            for g in best_groups(machine, 2)
+            if path_of(machine.cell(f"GPU{g[0]}", f"GPU{g[1]}")) == "NVLINK"
+        ]
+        if groups:
+            fix += f"; meanwhile train on NVLink pairs, e.g. `{cuda_visible_devices(groups[0])}`"
+    return confirm, fix
+
+
+def conclude(
+    singles: list[Outcome],
+    pairs: list[Outcome],
+    links: dict[tuple[int, int], str | None],
+    machine: Topology | None,
+    strategy: str,
+) -> list[Finding]:
+    """One finding from the pattern of failures (see the module docstring)."""
+    bad_singles = [o for o in singles if not o.ok]
+    bad_pairs = [o for o in pairs if o.status in ("diverged", "crashed", "hung")]
+    exploded = [o for o in pairs if o.status == "exploded"]
+    confirm, fix = _confirm_and_fix(machine)
+    if singles and len(bad_singles) == len(singles):
+        return [
+            Finding(
+                "numeric-divergence",
+                "error",
+                f"training diverges on every GPU alone too (first at step "
+                f"{min(o.first_bad_step or 0 for o in bad_singles)}): the model or the learning rate, "
+                "not the hardware",
+                {
+                    "singles": [o.devices[0] for o in bad_singles],
+                    "first_bad_step": min(o.first_bad_step or 0 for o in bad_singles),
+                },
+                cause="a learning rate too high for the model, or an unstable model/loss",
+                fix="lower the learning rate, add warm-up or gradient clipping, check the loss for log(0)",
+            )
+        ]
+    gpus = sorted({g for o in singles for g in o.devices} | {g for o in pairs for g in o.devices})
+    for g in gpus:
+        with_g = [o for o in pairs if g in o.devices]
+        alone_bad = any(o.devices == (g,) for o in bad_singles)
+        others_ok = all(o.ok or g in o.devices for o in pairs)
+        if (alone_bad or (with_g and all(o in bad_pairs for o in with_g) and len(with_g) > 1)) and others_ok:
+            return [
+                Finding(
+                    "device-fault",
+                    "error",
+                    f"GPU {g} fails {'alone and ' if alone_bad else ''}in every pair it is in "
+                    f"({len(with_g)} pair(s)); pairs without it train",
+                    {
+                        "device": g,
+                        "pairs": [list(o.devices) for o in with_g if o in bad_pairs],
+                        "first_bad_step": min((o.first_bad_step or 0) for o in with_g if o in bad_pairs)
+                        if any(o in bad_pairs for o in with_g)
+                        else None,
+                    },
+                    cause="one GPU (its memory, its PCIe link or its driver state) corrupts what it "
+                    "receives or computes",
+                    fix=f"take GPU {g} out of service (CUDA_VISIBLE_DEVICES without it) and check "
+                    f"`nvidia-smi -q -i {g}` for ECC/Xid errors; {confirm}",
+                )
+            ]
+    if bad_pairs:
+        failing = [list(o.devices) for o in bad_pairs]
+        kinds = sorted({links.get(o.devices) or "unknown" for o in bad_pairs})
+        first = min(bad_pairs, key=lambda o: o.first_bad_step or 10**9)
+        where = first.first_bad_transfer
+        place = (
+            f"; first bad data at step {where['step']} in the {where['phase']} {where['src']}->{where['dst']}"
+            if where
+            else ""
+        )
+        healthy = sorted({g for o in bad_pairs for g in o.devices})
+        return [
+            Finding(
+                "link-corruption",
+                "error",
+                f"training breaks only on pair(s) {' '.join(f'({a},{b})' for a, b in failing)} over "
+                f"{', '.join(kinds)}{place}; the same GPUs train fine alone and in other pairs",
+                {
+                    "pairs": failing,
+                    "links": kinds,
+                    "first_bad_step": first.first_bad_step,
+                    "first_bad_transfer": where,
+                    "healthy_gpus": healthy,
+                    "strategy": strategy,
+                },
+                cause="the peer-to-peer path between these GPUs corrupts or drops data (IOMMU/ACS redirect, "
+                "a GPU that advertises P2P it cannot do) — not the model",
+                fix=f"confirm: {confirm}; fix: {fix}",
+            )
+        ]
+    if exploded:
+        return [
+            Finding(
+                "loss-explosion",
+                "warning",
+                f"the loss grew past {EXPLOSION_FACTOR:g}x its first value on pair(s) "
+                f"{' '.join(f'({o.devices[0]},{o.devices[1]})' for o in exploded)} while single GPUs train",
+                {
+                    "pairs": [list(o.devices) for o in exploded],
+                    "first_bad_step": min(o.first_bad_step or 0 for o in exploded),
+                },
+                cause="scaled or slightly corrupted data on a link, or a parallel setup that changes the "
+                "effective learning rate",
+                fix=f"check the link: {confirm}; compare gradients with `gpudiag gradcheck`",
+            )
+        ]
+    return []
+
+
+def nancheck_spec(
+    model: str = "mlp",
+    *,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    num_classes: int = 10,
+    batch_size: int = 8,
+    machine_file: str | None = None,
+    **options: Any,
+) -> NancheckReport:
+    """``gpudiag nancheck``: resolve the model and machine, make the batch, sweep."""
+    from gpudiag.hw.machine import load_machine
+    from gpudiag.models import random_batch, resolve_model
+
+    machine = load_machine(machine_file) if machine_file else None
+    factory = resolve_model(model, input_shape, num_classes)
+    inputs, targets = random_batch(
+        factory, batch_size, input_shape, num_classes, "ce", options.get("seed", 0)
+    )
+    report = nancheck(factory, inputs, targets, machine=machine, **options)
+    report.config.update({"model": model, "input_shape": list(input_shape), "batch_size": batch_size,
+                          "machine": machine_file})  # fmt: skip
+    return report

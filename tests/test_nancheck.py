@@ -1,0 +1,136 @@
+"""nancheck on the seed machine (virtual devices): the seed story and its relatives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gpudiag.checks.nancheck import Outcome, conclude, parse_pairs
+from gpudiag.cli import cli
+
+SEED = "diag/examples/seed_8gpu_machine.json"
+
+
+def nancheck(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(cli, ["nancheck", "--machine", SEED, *args, "--format", "json"],
+                                catch_exceptions=False)  # fmt: skip
+    return result.exit_code, json.loads(result.stdout)
+
+
+def pair(doc: dict, a: int, b: int) -> dict:
+    return next(p for p in doc["pairs"] if (p["a"], p["b"]) == (a, b))
+
+
+def test_seed_story_nan_on_the_pcie_pair_is_link_corruption() -> None:
+    code, doc = nancheck("--inject", "5->6:nan@3")
+    assert code == 1 and doc["schema"] == "gpudiag.nancheck/1" and doc["verdict"] == "fail"
+    assert doc["strategy"] == "dp"
+    assert len(doc["singles"]) == 8 and all(s["status"] == "ok" for s in doc["singles"])
+    assert len(doc["pairs"]) == 28
+    bad = [p for p in doc["pairs"] if p["status"] != "ok"]
+    assert [(p["a"], p["b"]) for p in bad] == [(5, 6)]
+    p56 = pair(doc, 5, 6)
+    assert (p56["link"], p56["first_bad_step"]) == ("NODE", 3)
+    assert p56["first_bad_transfer"]["src"] == 5 and p56["first_bad_transfer"]["dst"] == 6
+    assert pair(doc, 6, 7)["status"] == "ok" and pair(doc, 6, 7)["link"] == "NV4"
+    (finding,) = doc["findings"]
+    assert finding["code"] == "link-corruption" and finding["severity"] == "error"
+    assert finding["evidence"]["pairs"] == [[5, 6]] and finding["evidence"]["links"] == ["NODE"]
+    assert "NCCL_P2P_DISABLE=1" in finding["fix"] and "iommu=pt" in finding["fix"]
+    assert "CUDA_VISIBLE_DEVICES=0,1" in finding["fix"]
+
+
+def test_a_fault_on_an_nvlink_pair_is_found_just_as_well() -> None:
+    code, doc = nancheck("--inject", "6->7:bitflip@2x1")
+    assert code == 1
+    (finding,) = doc["findings"]
+    assert finding["code"] == "link-corruption"
+    assert finding["evidence"]["pairs"] == [[6, 7]] and finding["evidence"]["links"] == ["NV4"]
+    assert pair(doc, 6, 7)["first_bad_step"] == 2
+
+
+def test_every_pair_with_one_gpu_failing_is_a_device_fault() -> None:
+    code, doc = nancheck("--inject", "*->4:inf@2")
+    assert code == 1
+    (finding,) = doc["findings"]
+    assert finding["code"] == "device-fault" and finding["evidence"]["device"] == 4
+    assert sorted(map(tuple, finding["evidence"]["pairs"])) == [
+        (0, 4),
+        (1, 4),
+        (2, 4),
+        (3, 4),
+        (4, 5),
+        (4, 6),
+        (4, 7),
+    ]
+
+
+def test_a_learning_rate_that_blows_up_everywhere_is_numeric_divergence() -> None:
+    code, doc = nancheck("--lr", "1e12", "--pairs", "0-1,5-6")
+    assert code == 1
+    (finding,) = doc["findings"]
+    assert finding["code"] == "numeric-divergence"
+    assert all(s["status"] != "ok" for s in doc["singles"])
+
+
+def test_no_fault_passes() -> None:
+    code, doc = nancheck("--pairs", "0-1,5-6,6-7")
+    assert code == 0 and doc["verdict"] == "pass" and doc["findings"] == []
+    assert [s["device"] for s in doc["singles"]] == [0, 1, 5, 6, 7]
+
+
+def test_the_same_through_ddp() -> None:
+    code, doc = nancheck(
+        "--strategy", "ddp", "--pairs", "4-5,5-6,6-7", "--steps", "4", "--inject", "5->6:nan@3"
+    )
+    assert code == 1 and doc["strategy"] == "ddp"
+    (finding,) = doc["findings"]
+    assert finding["code"] == "link-corruption" and finding["evidence"]["pairs"] == [[5, 6]]
+    where = pair(doc, 5, 6)["first_bad_transfer"]
+    assert (where["phase"], where["dst"], where["step"], where["before_allreduce"]) == (
+        "allreduce",
+        6,
+        3,
+        False,
+    )
+
+
+def test_text_output_draws_the_pair_matrix() -> None:
+    result = CliRunner().invoke(
+        cli, ["nancheck", "--machine", SEED, "--inject", "5->6:nan@3", "--steps", "4"]
+    )
+    assert result.exit_code == 1
+    assert "NODE✗" in result.output and "link-corruption" in result.output
+
+
+def test_without_gpus_or_machine_it_is_exit_3() -> None:
+    result = CliRunner().invoke(cli, ["nancheck"])
+    assert result.exit_code == 3
+    assert "--machine" in result.stderr
+
+
+@pytest.mark.parametrize("pairs", ["0-0", "0-9", "1:2"])
+def test_bad_pairs_are_exit_2(pairs: str) -> None:
+    result = CliRunner().invoke(cli, ["nancheck", "--machine", SEED, "--pairs", pairs])
+    assert result.exit_code == 2
+
+
+def test_parse_pairs() -> None:
+    assert parse_pairs("all", [0, 1, 2]) == [(0, 1), (0, 2), (1, 2)]
+    assert parse_pairs("6-5,0-1,5-6", list(range(8))) == [(5, 6), (0, 1)]
+
+
+def test_conclusions_from_patterns() -> None:
+    ok = lambda *d: Outcome(d, "ok", None, [1.0])  # noqa: E731
+    bad = lambda *d: Outcome(d, "diverged", 2, [1.0, float("nan")])  # noqa: E731
+    singles = [ok(0), ok(1), ok(2)]
+    assert conclude(singles, [ok(0, 1), ok(0, 2), ok(1, 2)], {}, None, "dp") == []
+    (f,) = conclude(singles, [bad(0, 1), bad(0, 2), ok(1, 2)], {}, None, "dp")
+    assert (f.code, f.evidence["device"]) == ("device-fault", 0)
+    (f,) = conclude(singles, [bad(0, 1), ok(0, 2), ok(1, 2)], {(0, 1): "SYS"}, None, "dp")
+    assert (f.code, f.evidence["links"]) == ("link-corruption", ["SYS"])
+    exploded = Outcome((0, 1), "exploded", 5, [1.0, 500.0])
+    (f,) = conclude(singles, [exploded, ok(0, 2), ok(1, 2)], {}, None, "dp")
+    assert f.code == "loss-explosion" and f.severity == "warning"
