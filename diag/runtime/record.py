@@ -15,10 +15,10 @@ from typing import Any
 
 @dataclass
 class Transfer:
-    """One tensor crossing devices in ``dp``: ``bytes`` moved, a ``checksum`` (the sum of
-    what arrived, see :func:`gpudiag.runtime.stats.checksum`) and ``sent_checksum`` (of what was sent), ``nonfinite`` (NaN/Inf
-    count of what arrived), ``faults`` injected. ``corrupted``: the two checksums differ —
-    a copy is exact, so any difference is data changed on the way."""
+    """One tensor crossing devices in ``dp``: ``bytes`` moved, a ``checksum`` of what
+    arrived (:func:`gpudiag.runtime.stats.checksum`) and ``sent_checksum`` of what was sent,
+    ``nonfinite`` (NaN/Inf count of what arrived), ``faults`` injected. ``corrupted``: the
+    two checksums differ — a copy is exact, so any difference is data changed on the way."""
 
     step: int
     phase: str  # scatter | replicate | gather | gather-grad | reduce
