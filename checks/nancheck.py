@@ -49,6 +49,7 @@ class Outcome:
     losses: list[float]
     first_bad_transfer: dict[str, Any] | None = None
     error: str | None = None
+    recorder: Any = None  # the runtime's record of the run (for --trace)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +70,12 @@ class NancheckReport:
 
     def exit_code(self) -> int:
         return 0 if self.verdict == "pass" else 1
+
+    @property
+    def recorders(self) -> dict[str, Any]:
+        """Each run's record, named ``GPU5`` or ``GPU5+GPU6`` (for ``--trace``)."""
+        runs = [*self.singles, *self.pairs]
+        return {"+".join(f"GPU{g}" for g in o.devices): o.recorder for o in runs if o.recorder is not None}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -155,10 +162,10 @@ def _outcome(devices: tuple[int, ...], result: RunResult, strategy: str) -> Outc
     transfer = _first_bad_transfer(result, devices, strategy)
     candidates = [s for s in (bad_step, transfer["step"] if transfer else None) if s is not None]
     if candidates:
-        return Outcome(devices, "diverged", min(candidates), losses, transfer)
+        return Outcome(devices, "diverged", min(candidates), losses, transfer, recorder=result.recorder)
     if exploded is not None:
-        return Outcome(devices, "exploded", exploded, losses, None)
-    return Outcome(devices, "ok", None, losses)
+        return Outcome(devices, "exploded", exploded, losses, None, recorder=result.recorder)
+    return Outcome(devices, "ok", None, losses, recorder=result.recorder)
 
 
 def _first_bad_transfer(result: RunResult, devices: tuple[int, ...], strategy: str) -> dict[str, Any] | None:

@@ -256,11 +256,12 @@ def nancheck(ctx: click.Context, fmt: str, trace: str | None, **options: Any) ->
     """
     from gpudiag.checks.nancheck import nancheck_spec
     from gpudiag.render import render
+    from gpudiag.runtime.record import write_trace
 
     options["inject"] = tuple(options["inject"])
-    if trace:
-        raise click.UsageError("nancheck does not write traces yet; use gradcheck --trace")
     report = nancheck_spec(**options)
+    if trace:
+        write_trace(trace, report.recorders, force=True)
     render("nancheck", report, fmt, sys.stdout)
     ctx.exit(report.exit_code())
 

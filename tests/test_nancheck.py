@@ -134,3 +134,16 @@ def test_conclusions_from_patterns() -> None:
     exploded = Outcome((0, 1), "exploded", 5, [1.0, 500.0])
     (f,) = conclude(singles, [exploded, ok(0, 2), ok(1, 2)], {}, None, "dp")
     assert f.code == "loss-explosion" and f.severity == "warning"
+
+
+def test_trace_holds_every_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trace = tmp_path / "nan.jsonl"
+    result = CliRunner().invoke(
+        cli, ["nancheck", "--machine", SEED, "--pairs", "5-6,6-7", "--steps", "3", "--inject", "5->6:nan@2",
+              "--trace", str(trace)],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {e["run"] for e in events} == {"GPU5", "GPU6", "GPU7", "GPU5+GPU6", "GPU6+GPU7"}
+    faulted = [e for e in events if e["type"] == "transfer" and e["faults"]]
+    assert faulted and all(e["run"] == "GPU5+GPU6" and e["step"] >= 2 for e in faulted)

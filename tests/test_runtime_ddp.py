@@ -132,7 +132,7 @@ def test_hung_rank_is_a_finding_after_the_timeout_and_leaves_no_process() -> Non
         run(models.Hangs, x, y, RunConfig("ddp", TWO, timeout=3))
     assert info.value.code == "rank-hung"
     assert "3 s" in str(info.value)
-    assert 3 <= time.monotonic() - start < 15
+    assert 3 <= time.monotonic() - start < 60  # generous: a loaded CI machine reaps slowly
     assert children() == []
 
 
