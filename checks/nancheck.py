@@ -155,10 +155,16 @@ def _outcome(devices: tuple[int, ...], result: RunResult, strategy: str) -> Outc
     first = losses[0] if losses else math.nan
     bad_step = next((i + 1 for i, x in enumerate(losses) if not math.isfinite(x)), None)
     exploded = next(
-        (i + 1 for i, x in enumerate(losses) if math.isfinite(x) and math.isfinite(first) and abs(first) > 0
-         and x > EXPLOSION_FACTOR * abs(first)),
+        (
+            i + 1
+            for i, x in enumerate(losses)
+            if math.isfinite(x)
+            and math.isfinite(first)
+            and abs(first) > 0
+            and x > EXPLOSION_FACTOR * abs(first)
+        ),
         None,
-    )  # fmt: skip
+    )
     transfer = _first_bad_transfer(result, devices, strategy)
     candidates = [s for s in (bad_step, transfer["step"] if transfer else None) if s is not None]
     if candidates:
@@ -234,8 +240,17 @@ def nancheck(
         make = lambda ids: DeviceSet.cuda(list(ids))  # noqa: E731
     chosen = parse_pairs(pairs, gpus)
     singles_wanted = sorted({g for pair in chosen for g in pair}) if pairs.strip() != "all" else gpus
-    base = RunConfig("single", make([gpus[0]]), steps=steps, lr=lr, loss=loss, seed=seed, timeout=timeout,
-                     keep_state=False, watch=watch)  # fmt: skip
+    base = RunConfig(
+        "single",
+        make([gpus[0]]),
+        steps=steps,
+        lr=lr,
+        loss=loss,
+        seed=seed,
+        timeout=timeout,
+        keep_state=False,
+        watch=watch,
+    )
     singles = [
         _outcome((g,), run(model_factory, inputs, targets, replace(base, devices=make([g]))), "single")
         for g in singles_wanted
@@ -254,10 +269,23 @@ def nancheck(
     findings = conclude(singles, outcomes, links, machine, strategy)
     verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
     return NancheckReport(
-        verdict, strategy, steps, singles, outcomes, links, findings, machine,
-        config={"pairs": pairs, "inject": list(inject), "lr": lr, "loss": loss, "seed": seed,
-                "devices": "virtual" if machine is not None else "cuda"},
-    )  # fmt: skip
+        verdict,
+        strategy,
+        steps,
+        singles,
+        outcomes,
+        links,
+        findings,
+        machine,
+        config={
+            "pairs": pairs,
+            "inject": list(inject),
+            "lr": lr,
+            "loss": loss,
+            "seed": seed,
+            "devices": "virtual" if machine is not None else "cuda",
+        },
+    )
 
 
 def _confirm_and_fix(machine: Topology | None) -> tuple[str, str]:
@@ -397,6 +425,7 @@ def nancheck_spec(
         factory, batch_size, input_shape, num_classes, "ce", options.get("seed", 0)
     )
     report = nancheck(factory, inputs, targets, machine=machine, **options)
-    report.config.update({"model": model, "input_shape": list(input_shape), "batch_size": batch_size,
-                          "machine": machine_file})  # fmt: skip
+    report.config.update(
+        {"model": model, "input_shape": list(input_shape), "batch_size": batch_size, "machine": machine_file}
+    )
     return report

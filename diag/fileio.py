@@ -7,15 +7,28 @@ target is replaced only with ``force``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from gpudiag.errors import InputError
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool = False) -> Path:
     """Write ``data`` to ``path`` atomically; refuse an existing file unless ``force``."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_output(path, force=force) as out:
+        out.write(payload)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through: a temporary file in the same folder that
+    is fsynced and renamed over ``path`` when the block ends, and removed if it fails."""
     target = Path(path)
     if target.is_dir():
         raise InputError(f"{target} is a folder")
@@ -24,18 +37,17 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise InputError(f"folder {folder} does not exist")
-    payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
         raise InputError(f"cannot write in {folder}: {exc.strerror}") from exc
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(payload)
+        with open(tmp, "w+b") as out:  # out.name is the temporary path (for reading back)
+            yield out
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target

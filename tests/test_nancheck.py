@@ -14,8 +14,9 @@ SEED = "diag/examples/seed_8gpu_machine.json"
 
 
 def nancheck(*args: str) -> tuple[int, dict]:
-    result = CliRunner().invoke(cli, ["nancheck", "--machine", SEED, *args, "--format", "json"],
-                                catch_exceptions=False)  # fmt: skip
+    result = CliRunner().invoke(
+        cli, ["nancheck", "--machine", SEED, *args, "--format", "json"], catch_exceptions=False
+    )
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -139,9 +140,21 @@ def test_conclusions_from_patterns() -> None:
 def test_trace_holds_every_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     trace = tmp_path / "nan.jsonl"
     result = CliRunner().invoke(
-        cli, ["nancheck", "--machine", SEED, "--pairs", "5-6,6-7", "--steps", "3", "--inject", "5->6:nan@2",
-              "--trace", str(trace)],
-    )  # fmt: skip
+        cli,
+        [
+            "nancheck",
+            "--machine",
+            SEED,
+            "--pairs",
+            "5-6,6-7",
+            "--steps",
+            "3",
+            "--inject",
+            "5->6:nan@2",
+            "--trace",
+            str(trace),
+        ],
+    )
     assert result.exit_code == 1
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     assert {e["run"] for e in events} == {"GPU5", "GPU6", "GPU7", "GPU5+GPU6", "GPU6+GPU7"}

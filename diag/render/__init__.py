@@ -14,6 +14,8 @@ FORMATS = {
     "topology": ("text", "json", "markdown", "dot"),
     "gradcheck": ("text", "json", "markdown"),
     "nancheck": ("text", "json", "markdown"),
+    "ckpt_inspect": ("text", "json", "markdown"),
+    "ckpt_convert": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
 

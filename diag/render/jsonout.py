@@ -21,3 +21,11 @@ def gradcheck(report: Any, stream: TextIO) -> None:
 
 def nancheck(report: Any, stream: TextIO) -> None:
     write(report.to_json(), stream)
+
+
+def ckpt_inspect(result: Any, stream: TextIO) -> None:
+    write(result.to_json(), stream)
+
+
+def ckpt_convert(result: Any, stream: TextIO) -> None:
+    write(result.to_json(), stream)

@@ -143,3 +143,17 @@ def nancheck(report: Any, stream: TextIO) -> None:
     ]
     stream.write("\n".join(out) + "\n")
     stream.write(findings(report.findings, "Findings"))
+
+
+def ckpt_inspect(result: Any, stream: TextIO) -> None:
+    from gpudiag.render.text import _ckpt_lines
+
+    stream.write("## Checkpoint\n\n```\n" + "\n".join(_ckpt_lines("inspect", result.to_json())) + "\n```\n")
+
+
+def ckpt_convert(result: Any, stream: TextIO) -> None:
+    from gpudiag.render.text import _ckpt_lines
+
+    stream.write(
+        "## Checkpoint conversion\n\n```\n" + "\n".join(_ckpt_lines("convert", result.to_json())) + "\n```\n"
+    )

@@ -314,3 +314,68 @@ def _nancheck(out: Any, report: Any) -> None:
     findings(out, report.findings, "Findings")
     if not report.findings:
         out.print("\nEvery GPU and every pair trained without non-finite values or explosion.")
+
+
+def _ckpt_lines(kind: str, doc: dict[str, Any]) -> list[str]:
+    """Plain lines shared by the text and markdown views of ckpt results."""
+    lines = []
+    if kind == "inspect":
+        lines.append(f"{doc['path']}: {doc['format']}")
+        for sd in doc["state_dicts"]:
+            dtypes = ", ".join(f"{k} x{v}" for k, v in sd["dtypes"].items())
+            prefixes = "".join(sd["prefixes"]) or "none"
+            lines.append(
+                f"  state dict {sd['path']}: {sd['tensors']} tensors, {sd['bytes'] / 2**20:.1f} MiB "
+                f"({dtypes}); wrapper prefix {prefixes}; first key {sd['first_keys'][0]!r}"
+            )
+        for e in doc["entries"]:
+            if e["kind"] != "model state dict":
+                value = f" = {e['value']!r}" if e["value"] is not None else ""
+                lines.append(f"  {e['key']}: {e['kind']}{value}")
+        if doc["model"] is not None:
+            m = doc["model"]
+            status = "loads strictly" if m.get("loads_strictly") else "does NOT load strictly"
+            lines.append(f"  into --model: {status} as is; fix: {m.get('transformation') or 'none found'}")
+            for what in ("missing", "unexpected"):
+                if m.get(what):
+                    lines.append(f"    {len(m[what])} {what}, e.g. {m[what][:3]}")
+            for mismatch in (m.get("shape_mismatches") or [])[:3]:
+                lines.append(
+                    f"    shape {mismatch['key']}: checkpoint {mismatch['checkpoint']}, "
+                    f"model {mismatch['model']}"
+                )
+        lines += [f"  warning: {w}" for w in doc["warnings"]]
+    else:
+        verb = "would write" if doc["dry_run"] else "wrote"
+        lines.append(f"{doc['src']} ({doc['format_in']}) -> {doc['dst']} ({doc['format_out']}): {verb}")
+        for m in doc["mappings"]:
+            how = " ".join([*(f"strip {p}" for p in m["strip"]), *([f"add {m['add']}"] if m["add"] else [])])
+            lines.append(
+                f"  {m['state_dict']}: {m['changed']} of {m['keys']} keys renamed ({how or 'unchanged'})"
+            )
+            lines.append(f"    first: {m['first'][0]!r} -> {m['first'][1]!r}")
+            lines.append(f"    last:  {m['last'][0]!r} -> {m['last'][1]!r}")
+        if doc["sidecar"]:
+            lines.append(
+                f"  non-tensor entries: {doc['sidecar']} (the safetensors file holds the model tensors only)"
+            )
+        if doc["verified"]:
+            lines.append("  verified: read back, every tensor matches the input")
+        lines += [f"  note: {n}" for n in doc["notes"]]
+    return lines
+
+
+def ckpt_inspect(result: Any, stream: TextIO) -> None:
+    with text_console(stream) as out:
+        from rich.markup import escape
+
+        for line in _ckpt_lines("inspect", result.to_json()):
+            out.print(escape(line))
+
+
+def ckpt_convert(result: Any, stream: TextIO) -> None:
+    with text_console(stream) as out:
+        from rich.markup import escape
+
+        for line in _ckpt_lines("convert", result.to_json()):
+            out.print(escape(line))

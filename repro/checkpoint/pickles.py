@@ -37,8 +37,21 @@ STORAGE_TYPES = {
     "ComplexFloatStorage": ("complex64", 8),
     "ComplexDoubleStorage": ("complex128", 16),
 }
-_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "tuple", "list", "dict", "int", "float",
-             "bool", "str", "range"}  # fmt: skip
+_BUILTINS = {
+    "set",
+    "frozenset",
+    "slice",
+    "complex",
+    "bytearray",
+    "tuple",
+    "list",
+    "dict",
+    "int",
+    "float",
+    "bool",
+    "str",
+    "range",
+}
 
 
 class UnsafeCheckpoint(InputError):
@@ -134,13 +147,33 @@ class ParamRef:
 
 
 def is_tensor(value: Any) -> bool:
-    return isinstance(value, (TensorRef, ParamRef))
+    """A tensor placeholder, or a real tensor (checkpoints loaded by torch itself)."""
+    if isinstance(value, (TensorRef, ParamRef)):
+        return True
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _rebuild_tensor(storage: StorageRef, offset: int, size: Any, stride: Any, requires_grad: bool = False,
-                    hooks: Any = None, *extra: Any) -> TensorRef:  # fmt: skip
-    return TensorRef(storage, int(offset), tuple(size), tuple(stride), bool(requires_grad),
-                     collections.OrderedDict() if hooks is None else hooks, extra)  # fmt: skip
+def _rebuild_tensor(
+    storage: StorageRef,
+    offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: bool = False,
+    hooks: Any = None,
+    *extra: Any,
+) -> TensorRef:
+    return TensorRef(
+        storage,
+        int(offset),
+        tuple(size),
+        tuple(stride),
+        bool(requires_grad),
+        collections.OrderedDict() if hooks is None else hooks,
+        extra,
+    )
 
 
 def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> ParamRef:
@@ -177,9 +210,11 @@ def _allowed(module: str, name: str) -> Any:
         if isinstance(value, torch.dtype):
             return value
     if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "scalar":
-        import numpy
-
-        return numpy.core.multiarray.scalar if hasattr(numpy, "core") else None
+        try:
+            from numpy._core.multiarray import scalar
+        except ImportError:  # numpy < 2
+            from numpy.core.multiarray import scalar  # type: ignore[no-redef]
+        return scalar
     if module == "numpy" and name == "dtype":
         import numpy
 
