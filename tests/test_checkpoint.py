@@ -1,0 +1,332 @@
+"""gpudiag ckpt on checkpoints written by torch itself."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gpudiag.cli import cli
+from gpudiag.errors import InputError
+from gpudiag.repro.checkpoint import convert, inspect
+from gpudiag.repro.checkpoint.keys import KeyCollision
+from gpudiag.repro.checkpoint.pickles import UnsafeCheckpoint
+
+
+def small() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+
+def train_step(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    opt.step()
+    return opt
+
+
+def save_wrapped(path: Path, wrapped: nn.Module, legacy: bool = False) -> dict:
+    opt = train_step(wrapped)
+    ckpt = {"epoch": 7, "model_state_dict": wrapped.state_dict(), "optimizer_state_dict": opt.state_dict()}
+    torch.save(ckpt, path, _use_new_zipfile_serialization=not legacy)
+    return ckpt
+
+
+def same_tensors(a: dict, b: dict, prefix: str) -> None:
+    assert list(b) == [k[len(prefix) :] for k in a]
+    for k, v in a.items():
+        assert torch.equal(v, b[k[len(prefix) :]])
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_dataparallel_checkpoint_loads_strictly_after_convert(tmp_path: Path, legacy: bool) -> None:
+    src, dst = tmp_path / "dp.pt", tmp_path / "plain.pt"
+    original = save_wrapped(src, nn.DataParallel(small()), legacy)
+    before = src.read_bytes()
+    result = convert(src, dst)
+    assert result.verified and result.mappings[0]["changed"] == len(original["model_state_dict"])
+    out = torch.load(dst, weights_only=True)
+    small().load_state_dict(out["model_state_dict"])  # strict
+    same_tensors(original["model_state_dict"], out["model_state_dict"], "module.")
+    assert out["epoch"] == 7
+    assert out["optimizer_state_dict"]["param_groups"] == original["optimizer_state_dict"]["param_groups"]
+    for i, state in original["optimizer_state_dict"]["state"].items():
+        assert torch.equal(
+            state["momentum_buffer"], out["optimizer_state_dict"]["state"][i]["momentum_buffer"]
+        )
+    meta = out["model_state_dict"]._metadata
+    assert "module" not in meta and "1" in meta and meta["1"]["version"] == 2  # BatchNorm's version kept
+    assert src.read_bytes() == before  # IN never modified
+
+
+def test_ddp_over_gloo_checkpoint(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        original = save_wrapped(tmp_path / "ddp.pt", nn.parallel.DistributedDataParallel(small()))
+    finally:
+        dist.destroy_process_group()
+    convert(tmp_path / "ddp.pt", tmp_path / "out.pt")
+    same_tensors(original["model_state_dict"], torch.load(tmp_path / "out.pt")["model_state_dict"], "module.")
+
+
+def test_real_torchvision_model_with_model_check(tmp_path: Path) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    src = tmp_path / "r.pt"
+    torch.save({"state_dict": nn.DataParallel(torchvision.models.resnet18(num_classes=10)).state_dict()}, src)
+    report = inspect(src, model="torchvision:resnet18?num_classes=10")
+    assert report.model["transformation"] == "--strip module."
+    assert not report.model["loads_strictly"]
+    convert(src, tmp_path / "o.pt", model="torchvision:resnet18?num_classes=10")
+    torchvision.models.resnet18(num_classes=10).load_state_dict(torch.load(tmp_path / "o.pt")["state_dict"])
+
+
+def test_compile_and_nested_wrappers_are_peeled(tmp_path: Path) -> None:
+    compiled = torch.compile(nn.DataParallel(small()))
+    sd = compiled.state_dict()
+    assert next(iter(sd)).startswith("_orig_mod.module.")
+    torch.save(sd, tmp_path / "c.pt")
+    result = convert(tmp_path / "c.pt", tmp_path / "o.pt")
+    assert result.mappings[0]["strip"] == ["_orig_mod.", "module."]
+    small().load_state_dict(torch.load(tmp_path / "o.pt"))
+
+
+def test_add_prefix_for_a_wrapped_target(tmp_path: Path) -> None:
+    torch.save(small().state_dict(), tmp_path / "p.pt")
+    convert(tmp_path / "p.pt", tmp_path / "w.pt", add="module.")
+    nn.DataParallel(small()).load_state_dict(torch.load(tmp_path / "w.pt"))
+
+
+class Inner(nn.Module):
+    """Like WeightDrop: a wrapper whose child is literally called ``module``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(3, 3)
+
+
+def test_inner_module_segment_stays(tmp_path: Path) -> None:
+    model = nn.Sequential(collections.OrderedDict(encoder=Inner(), head=nn.Linear(3, 2)))
+    torch.save(nn.DataParallel(model).state_dict(), tmp_path / "i.pt")
+    convert(tmp_path / "i.pt", tmp_path / "o.pt")
+    keys = list(torch.load(tmp_path / "o.pt"))
+    assert keys == ["encoder.module.weight", "encoder.module.bias", "head.weight", "head.bias"]
+
+
+def test_collisions_are_refused_naming_the_keys(tmp_path: Path) -> None:
+    sd = collections.OrderedDict(
+        [
+            ("module.fc.weight", torch.ones(2)),
+            ("fc.weight", torch.zeros(2)),
+            ("module.fc.bias", torch.ones(1)),
+        ]
+    )
+    torch.save(sd, tmp_path / "ema.pt")
+    with pytest.raises(KeyCollision, match=r"would collide .*'fc\.weight'"):
+        convert(tmp_path / "ema.pt", tmp_path / "o.pt")
+    with pytest.raises(KeyCollision):
+        convert(tmp_path / "ema.pt", tmp_path / "o.pt", strip=["module."])
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_lightning_style_strip(tmp_path: Path) -> None:
+    inner = small()
+    sd = collections.OrderedDict((f"model.{k}", v) for k, v in inner.state_dict().items())
+    torch.save(
+        {"state_dict": sd, "pytorch-lightning_version": "2.4.0", "global_step": 12}, tmp_path / "l.ckpt"
+    )
+    report = inspect(tmp_path / "l.ckpt")
+    assert report.state_dicts[0]["path"] == "['state_dict']" and report.state_dicts[0]["prefixes"] == []
+    convert(tmp_path / "l.ckpt", tmp_path / "o.pt", strip=["model."])
+    out = torch.load(tmp_path / "o.pt")
+    small().load_state_dict(out["state_dict"])
+    assert out["global_step"] == 12
+
+
+def test_safetensors_both_ways(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    original = save_wrapped(tmp_path / "dp.pt", nn.DataParallel(small()))
+    result = convert(tmp_path / "dp.pt", tmp_path / "m.safetensors", to="safetensors")
+    tensors = load_file(tmp_path / "m.safetensors")
+    same_tensors(original["model_state_dict"], tensors, "module.")
+    sidecar = json.loads(Path(result.sidecar).read_text())
+    assert sidecar["epoch"] == 7 and "optimizer_state_dict" in sidecar
+    save_file({f"module.{k}": v for k, v in tensors.items()}, tmp_path / "w.safetensors")
+    convert(tmp_path / "w.safetensors", tmp_path / "u.safetensors")
+    back = load_file(tmp_path / "u.safetensors")
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in back)
+
+
+def test_shared_storage_to_safetensors(tmp_path: Path) -> None:
+    base = torch.arange(12.0)
+    torch.save(
+        {"a.weight": base[:6].view(2, 3), "b.weight": base[6:].view(3, 2), "c.weight": base},
+        tmp_path / "s.pt",
+    )
+    convert(tmp_path / "s.pt", tmp_path / "s.safetensors", to="safetensors")
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "s.safetensors")
+    assert out["b.weight"].tolist() == [[6.0, 7.0], [8.0, 9.0], [10.0, 11.0]]
+
+
+class Evil:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_pickle_never_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save({"state_dict": {"w": torch.ones(1)}, "payload": Evil()}, tmp_path / "evil.pt")
+    torch.save(
+        {"w": torch.ones(1), "payload": Evil()},
+        tmp_path / "evil_legacy.pt",
+        _use_new_zipfile_serialization=False,
+    )
+    for name in ("evil.pt", "evil_legacy.pt"):
+        with pytest.raises(UnsafeCheckpoint, match="--trust-checkpoint"):
+            convert(tmp_path / name, tmp_path / "o.pt")
+        with pytest.raises(UnsafeCheckpoint):
+            inspect(tmp_path / name)
+    assert not (tmp_path / "pwned").exists()
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_output_rules(tmp_path: Path) -> None:
+    torch.save(nn.DataParallel(small()).state_dict(), tmp_path / "in.pt")
+    (tmp_path / "out.pt").write_text("keep")
+    with pytest.raises(InputError, match="--force"):
+        convert(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert (tmp_path / "out.pt").read_text() == "keep"
+    with pytest.raises(InputError, match="OUT is IN"):
+        convert(tmp_path / "in.pt", tmp_path / "in.pt", force=True)
+    convert(tmp_path / "in.pt", tmp_path / "out.pt", force=True)
+    assert torch.load(tmp_path / "out.pt")
+
+
+def test_full_disk_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.repro.checkpoint import torchzip
+
+    torch.save(nn.DataParallel(small()).state_dict(), tmp_path / "in.pt")
+    real = torchzip._copy_range
+    calls = []
+
+    def fills_up(src, dst, offset, size):  # type: ignore[no-untyped-def]
+        calls.append(size)
+        if len(calls) == 3:  # a few records in, the disk is full
+            dst.write(b"\0" * 10)
+            raise OSError(28, "No space left on device")
+        return real(src, dst, offset, size)
+
+    monkeypatch.setattr(torchzip, "_copy_range", fills_up)
+    with pytest.raises(OSError, match="No space left"):
+        convert(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "is empty"),
+        (b"hello world, not a checkpoint", "not a checkpoint"),
+        (b"PK\x03\x04garbage", "damaged"),
+    ],
+)
+def test_bad_inputs(tmp_path: Path, content: bytes, message: str) -> None:
+    (tmp_path / "bad.pt").write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        convert(tmp_path / "bad.pt", tmp_path / "o.pt")
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_dcp_folder_is_refused_naming_the_torch_function(tmp_path: Path) -> None:
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"x")
+    with pytest.raises(InputError, match="dcp_to_torch_save"):
+        inspect(tmp_path / "dcp")
+
+
+@pytest.fixture(scope="module")
+def wrapped_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("t") / "dp.pt"
+    save_wrapped(path, nn.DataParallel(small()))
+    return path.read_bytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.floats(0.0, 0.999))
+def test_truncation_anywhere_is_one_clear_error(tmp_path: Path, wrapped_bytes: bytes, cut: float) -> None:
+    bad = tmp_path / f"t{cut}.pt"
+    bad.write_bytes(wrapped_bytes[: int(len(wrapped_bytes) * cut)])
+    out = tmp_path / f"o{cut}.pt"
+    with pytest.raises(InputError) as info:
+        convert(bad, out)
+    assert "\n" not in str(info.value)
+    assert not out.exists()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prefix=st.sampled_from(["module.", "_orig_mod.", "model.", "net.encoder."]))
+def test_add_then_strip_is_the_identity_on_keys_and_bytes(tmp_path: Path, prefix: str) -> None:
+    sd = small().state_dict()
+    torch.save(sd, tmp_path / "a.pt")
+    convert(tmp_path / "a.pt", tmp_path / "b.pt", add=prefix, force=True)
+    convert(tmp_path / "b.pt", tmp_path / "c.pt", strip=[prefix], force=True)
+    back = torch.load(tmp_path / "c.pt")
+    assert list(back) == list(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert back._metadata == sd._metadata
+
+
+def test_cli_inspect_convert_and_dry_run(tmp_path: Path) -> None:
+    torch.save({"model": nn.DataParallel(small()).state_dict()}, tmp_path / "in.pt")
+    result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "in.pt"), "--format", "json"])
+    doc = json.loads(result.output)
+    assert doc["schema"] == "gpudiag.ckpt-inspect/1" and doc["state_dicts"][0]["prefixes"] == ["module."]
+    dry = CliRunner().invoke(
+        cli, ["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--dry-run"]
+    )
+    assert dry.exit_code == 0 and "'module.0.weight' -> '0.weight'" in dry.output
+    assert not (tmp_path / "o.pt").exists()
+    done = CliRunner().invoke(
+        cli, ["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--format", "json"]
+    )
+    assert done.exit_code == 0 and json.loads(done.output)["verified"] is True
+    again = CliRunner().invoke(cli, ["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt")])
+    assert again.exit_code == 2 and "--force" in again.stderr
+    missing = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "nope.pt")])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+
+
+def test_pickle_placeholders_round_trip_through_torch(tmp_path: Path) -> None:
+    from gpudiag.repro.checkpoint import pickles, torchzip
+
+    torch.save(
+        {
+            "p": nn.Parameter(torch.ones(2)),
+            "h": torch.ones(3, dtype=torch.bfloat16),
+            "s": {1, 2},
+            "size": torch.Size([2]),
+            "dt": torch.float16,
+            "dev": torch.device("cpu"),
+            "b": b"x",
+        },
+        tmp_path / "x.pt",
+    )
+    archive = torchzip.open_archive(tmp_path / "x.pt", "x")
+    tree = pickles.loads(archive.pickle, "x")
+    with open(tmp_path / "y.pt", "wb") as out:
+        torchzip.rewrite(archive, pickles.dumps(tree), out)
+    back = torch.load(tmp_path / "y.pt", weights_only=True)
+    assert isinstance(back["p"], nn.Parameter) and back["h"].dtype == torch.bfloat16
+    assert back["s"] == {1, 2} and back["dt"] == torch.float16 and back["b"] == b"x"
+    assert pickle.loads(pickle.dumps(back["size"])) == torch.Size([2])
