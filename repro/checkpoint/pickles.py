@@ -180,9 +180,60 @@ def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> Para
     return ParamRef(data, bool(requires_grad), hooks)
 
 
-class _StorageType:
-    def __init__(self, name: str):
-        self.name = name
+#: torch attributes a checkpoint may name that are plain values (dtypes) or value types.
+TORCH_NAMES = frozenset(
+    {
+        "Size",
+        "device",
+        "float32",
+        "float",
+        "float64",
+        "double",
+        "float16",
+        "half",
+        "bfloat16",
+        "int64",
+        "long",
+        "int32",
+        "int",
+        "int16",
+        "short",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "cfloat",
+        "complex128",
+        "cdouble",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    }
+)
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A torch global kept by name (a dtype, ``torch.Size``, ``torch.device``, a storage
+    type): torch is not imported to read or write a checkpoint's structure."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any) -> Call:
+        return Call(self, args)
+
+
+@dataclass(frozen=True)
+class Call:
+    """``torch.Size([2])`` or ``torch.device('cpu')`` as read: written back the same way."""
+
+    func: GlobalRef
+    args: tuple[Any, ...]
 
 
 def _allowed(module: str, name: str) -> Any:
@@ -199,16 +250,8 @@ def _allowed(module: str, name: str) -> Any:
         import builtins
 
         return getattr(builtins, name)
-    if module == "torch":
-        if name in STORAGE_TYPES:
-            return _StorageType(name)
-        import torch
-
-        if name in ("Size", "device"):
-            return getattr(torch, name)
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            return value
+    if module == "torch" and (name in STORAGE_TYPES or name in TORCH_NAMES):
+        return GlobalRef(module, name)
     if module in ("numpy.core.multiarray", "numpy._core.multiarray") and name == "scalar":
         try:
             from numpy._core.multiarray import scalar
@@ -256,7 +299,7 @@ class SafeUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise InputError(f"{self.source}: unknown storage reference {pid!r:.80}")
         kind, key, location, numel = pid[1], pid[2], pid[3], pid[4]
-        if not isinstance(kind, _StorageType):
+        if not isinstance(kind, GlobalRef) or kind.name not in STORAGE_TYPES:
             raise InputError(f"{self.source}: unsupported storage type {kind!r:.60}")
         return StorageRef(kind.name, str(key), str(location), int(numel))
 
@@ -273,25 +316,36 @@ def loads(data: bytes, source: str) -> Any:
         ) from exc
 
 
-class _Pickler(pickle.Pickler):
+_REBUILD_TENSOR = GlobalRef("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_PARAMETER = GlobalRef("torch._utils", "_rebuild_parameter")
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: it lets us write torch's globals by name
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
-            import torch
-
-            return ("storage", getattr(torch, obj.type_name), obj.key, obj.location, obj.numel)
+            return ("storage", GlobalRef("torch", obj.type_name), obj.key, obj.location, obj.numel)
         return None
 
-    def reducer_override(self, obj: Any) -> Any:
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, GlobalRef):
+            memo = self.memo.get(id(obj))
+            if memo is not None:
+                self.write(self.get(memo[0]))
+                return
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.memoize(obj)
+            return
+        if isinstance(obj, Call):
+            self.save_reduce(obj.func, obj.args, obj=obj)
+            return
         if isinstance(obj, TensorRef):
-            import torch
-
-            args = (obj.storage, obj.offset, torch.Size(obj.size), obj.stride, obj.requires_grad, obj.hooks)
-            return (torch._utils._rebuild_tensor_v2, args + tuple(obj.extra))
+            args = (obj.storage, obj.offset, tuple(obj.size), tuple(obj.stride), obj.requires_grad, obj.hooks)
+            self.save_reduce(_REBUILD_TENSOR, args + tuple(obj.extra), obj=obj)
+            return
         if isinstance(obj, ParamRef):
-            import torch
-
-            return (torch._utils._rebuild_parameter, (obj.data, obj.requires_grad, obj.hooks))
-        return NotImplemented
+            self.save_reduce(_REBUILD_PARAMETER, (obj.data, obj.requires_grad, obj.hooks), obj=obj)
+            return
+        super().save(obj, save_persistent_id)
 
 
 def dumps(tree: Any) -> bytes:
