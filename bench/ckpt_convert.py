@@ -91,9 +91,8 @@ def main() -> None:
     print(f"python -c 'import torch': peak RSS {torch_only[1]:.0f} MiB")
     for name in ("cp.pt", "out.pt", "naive.pt"):
         (folder / name).unlink(missing_ok=True)
-    print(
-        f"convert/cp wall ratio: {conv / cp:.2f}; peak RSS above import torch MiB: {conv_rss - torch_only[1]:.0f}"
-    )
+    above = conv_rss - torch_only[1]
+    print(f"convert/cp wall ratio: {conv / cp:.2f}; peak RSS above import torch MiB: {above:.0f}")
 
 
 if __name__ == "__main__":
