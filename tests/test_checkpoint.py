@@ -145,6 +145,7 @@ def test_lightning_style_strip(tmp_path: Path) -> None:
         {"state_dict": sd, "pytorch-lightning_version": "2.4.0", "global_step": 12}, tmp_path / "l.ckpt"
     )
     report = inspect(tmp_path / "l.ckpt")
+    assert report.format == "lightning (torch-zip)"
     assert report.state_dicts[0]["path"] == "['state_dict']" and report.state_dicts[0]["prefixes"] == []
     convert(tmp_path / "l.ckpt", tmp_path / "o.pt", strip=["model."])
     out = torch.load(tmp_path / "o.pt")

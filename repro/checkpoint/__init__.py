@@ -308,7 +308,17 @@ def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bo
             "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: torch.load in this environment runs "
             "arbitrary pickles (gpudiag does not)"
         )
-    return InspectResult(str(path), loaded.format, infos, entries, model_info, warnings)
+    return InspectResult(str(path), _format_name(loaded), infos, entries, model_info, warnings)
+
+
+def _format_name(loaded: Loaded) -> str:
+    """The container, and ``lightning`` when it is a Lightning checkpoint."""
+    tree = loaded.tree
+    if isinstance(tree, dict) and (
+        "pytorch-lightning_version" in tree or {"state_dict", "global_step"} <= set(tree)
+    ):
+        return f"lightning ({loaded.format})"
+    return loaded.format
 
 
 def _plan_text(plan: K.Plan) -> str:
