@@ -465,18 +465,9 @@ def gradcheck(
             elif causes:
                 findings += _train_mode_findings(traits, unexplained, confirmed=False)
                 unexplained = []
-            explained, unexplained = _scaling_and_shards(
-                unexplained,
-                outcome,
-                factory if not causes else Controlled(model_factory),
-                inputs,
-                targets,
-                base,
-                world,
-                tol,
-                traits.order,
-                loss,
-            )
+            rerun_factory = factory if not causes else Controlled(model_factory)
+            job = _Job(rerun_factory, inputs, targets, base, world, tol, traits.order)
+            explained, unexplained = _scaling_and_shards(unexplained, outcome, job, loss)
             findings += explained
         if unexplained and not _has_errors(findings):
             for c in unexplained:
@@ -793,19 +784,24 @@ def _train_mode_findings(traits: ModelTraits, diffs: list[Comparison], confirmed
     return out
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What a rerun needs: the factory and batch, the run settings, how to compare."""
+
+    factory: ModelFn
+    inputs: Any
+    targets: torch.Tensor
+    base: RunConfig
+    world: int
+    tol: float
+    order: tuple[str, ...]
+
+
 def _scaling_and_shards(
-    diffs: list[Comparison],
-    outcome: _Run,
-    factory: ModelFn,
-    inputs: Any,
-    targets: torch.Tensor,
-    base: RunConfig,
-    world: int,
-    tol: float,
-    order: tuple[str, ...],
-    loss: Any,
+    diffs: list[Comparison], outcome: _Run, job: _Job, loss: Any
 ) -> tuple[list[Finding], list[Comparison]]:
     findings, left = [], []
+    world, targets = job.world, job.targets
     batch = len(targets)
     for c in diffs:
         near = lambda x, y: abs(x / y - 1) <= RATIO_SLACK  # noqa: E731
@@ -834,11 +830,7 @@ def _scaling_and_shards(
                 )
             )
             continue
-        if (
-            c.strategy == "ddp"
-            and batch % world
-            and _mean_of_means_matches(c, outcome, factory, inputs, targets, base, world, tol, order)
-        ):
+        if c.strategy == "ddp" and batch % world and _mean_of_means_matches(c, outcome, job):
             findings.append(
                 Finding(
                     "uneven-shards",
@@ -862,22 +854,13 @@ def _scaling_and_shards(
     return findings, left
 
 
-def _mean_of_means_matches(
-    c: Comparison,
-    outcome: _Run,
-    factory: ModelFn,
-    inputs: Any,
-    targets: torch.Tensor,
-    base: RunConfig,
-    world: int,
-    tol: float,
-    order: tuple[str, ...],
-) -> bool:
+def _mean_of_means_matches(c: Comparison, outcome: _Run, job: _Job) -> bool:
     """Recompute DDP's semantics on one device — the average of each shard's gradient — and
     check that DDP matches it."""
     ddp = outcome.results.get("ddp")
     if ddp is None:
         return False
+    inputs, targets, base, world = job.inputs, job.targets, job.base, job.world
     shards_x = (
         inputs.chunk(world)
         if not isinstance(inputs, tuple)
@@ -892,11 +875,11 @@ def _mean_of_means_matches(
     )
     grads: dict[str, torch.Tensor] = {}
     for x, y in zip(shards_x, shards_y, strict=True):
-        result = run(factory, x, y, single)
+        result = run(job.factory, x, y, single)
         for n, g in result.grads.items():
             grads[n] = grads.get(n, torch.zeros_like(g)) + g / world
     expected = RunResult("mean-of-means", [], grads, {}, {}, ddp.recorder)
-    return compare("ddp", c.mode, world, ddp, expected, tol, list(order)).rel_norm_err <= tol
+    return compare("ddp", c.mode, world, ddp, expected, job.tol, list(job.order)).rel_norm_err <= job.tol
 
 
 def _few_replicas(batch: int, world: int) -> Finding:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from gpudiag.render.text import SOURCE_NAME, grouped_pairs
+from gpudiag.render.text import GRADCHECK_COLUMNS, SOURCE_NAME, grouped_pairs
 
 
 def _row(cells: list[str]) -> str:
@@ -102,18 +102,7 @@ def gradcheck(report: Any, stream: TextIO) -> None:
         ]
         for c in report.comparisons
     ]
-    header = [
-        "strategy",
-        "mode",
-        "result",
-        "rel norm err",
-        "cosine",
-        "norm ratio",
-        "max abs err",
-        "worst param",
-        "first bad param",
-    ]
-    out += [table(header, rows), ""]
+    out += [table(list(GRADCHECK_COLUMNS), rows), ""]
     stream.write("\n".join(out) + "\n")
     stream.write(findings(report.findings, "Findings"))
 

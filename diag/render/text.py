@@ -179,6 +179,18 @@ def gradcheck(report: Any, stream: TextIO) -> None:
 
 
 VERDICT_STYLE = {"pass": "bold green", "explained": "bold yellow", "fail": "bold red"}
+#: The comparison table's columns (text and markdown).
+GRADCHECK_COLUMNS = (
+    "strategy",
+    "mode",
+    "result",
+    "rel norm err",
+    "cosine",
+    "norm ratio",
+    "max abs err",
+    "worst param",
+    "first bad param",
+)
 
 
 def _gradcheck(out: Any, report: Any) -> None:
@@ -200,17 +212,7 @@ def _gradcheck(out: Any, report: Any) -> None:
         f"({escape(report.tolerance['basis'])}) · {settings}"
     )
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in (
-        "strategy",
-        "mode",
-        "result",
-        "rel norm err",
-        "cosine",
-        "norm ratio",
-        "max abs err",
-        "worst param",
-        "first bad param",
-    ):
+    for column in GRADCHECK_COLUMNS:
         table.add_column(column)
     for c in report.comparisons:
         options = " ".join(f"{k}={v}" for k, v in c.options.items())
