@@ -29,7 +29,7 @@ import torch
 from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
-from gpudiag.runtime.faults import Fault, parse_fault
+from gpudiag.runtime.faults import for_devices, parse_fault
 from gpudiag.runtime.run import ModelFn
 from gpudiag.topology.analysis import best_groups, cuda_visible_devices
 from gpudiag.topology.model import Topology, path_of
@@ -133,23 +133,6 @@ def parse_pairs(text: str, gpus: list[int]) -> list[tuple[int, int]]:
     return list(dict.fromkeys(pairs))  # type: ignore[arg-type]
 
 
-def _faults_for(devices: tuple[int, ...], faults: list[Fault], strategy: str) -> tuple[str, ...]:
-    """The --inject specs that apply to a run on ``devices``. dp transports use device
-    numbers; ddp faults name ranks, so device numbers are translated (rank i = devices[i])."""
-    out = []
-    for f in faults:
-        if (f.dst is not None and f.dst not in devices) or (f.src is not None and f.src not in devices):
-            continue
-        if strategy == "ddp":
-            f = replace(
-                f,
-                src=None if f.src is None else devices.index(f.src),
-                dst=None if f.dst is None else devices.index(f.dst),
-            )
-        out.append(f.text)
-    return tuple(out)
-
-
 def _outcome(devices: tuple[int, ...], result: RunResult, strategy: str) -> Outcome:
     losses = result.losses
     first = losses[0] if losses else math.nan
@@ -225,7 +208,8 @@ def nancheck(
     """Train on every GPU alone and on every selected pair; locate where it breaks."""
     if strategy not in ("dp", "ddp"):
         raise InputError(f"--strategy must be dp or ddp, not {strategy!r}")
-    faults = [parse_fault(s) for s in inject]
+    for spec in inject:
+        parse_fault(spec)  # bad specs fail before anything runs
     if machine is not None:
         gpus = sorted(info.index for info in machine.gpus.values())
         make = lambda ids: DeviceSet.virtual(list(ids), machine)  # noqa: E731
@@ -258,7 +242,7 @@ def nancheck(
     outcomes = []
     for pair in chosen:
         config = replace(
-            base, strategy=strategy, devices=make(pair), faults=_faults_for(pair, faults, strategy)
+            base, strategy=strategy, devices=make(pair), faults=for_devices(inject, pair, strategy == "ddp")
         )
         try:
             outcomes.append(_outcome(pair, run(model_factory, inputs, targets, config), strategy))

@@ -266,6 +266,48 @@ def nancheck(ctx: click.Context, fmt: str, trace: str | None, **options: Any) ->
     ctx.exit(report.exit_code())
 
 
+@cli.command()
+@click.option("--pairs", default="all", show_default=True, metavar="all|A-B,…")
+@click.option(
+    "--sizes", metavar="4K,1M,…", help="Copy sizes (default 4K..256M on GPUs, 4K..1M on virtual devices)."
+)
+@click.option(
+    "--machine", "machine_file", metavar="FILE", help="Run on CPU virtual devices laid out like this machine."
+)
+@click.option(
+    "--inject",
+    multiple=True,
+    metavar="SPEC",
+    callback=_parse_injections,
+    help="Break copies and collectives: SRC->DST:KIND[@STEP][xCOUNT] (repeatable).",
+)
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def peer(
+    ctx: click.Context,
+    pairs: str,
+    sizes: str | None,
+    machine_file: str | None,
+    inject: tuple[str, ...],
+    fmt: str,
+) -> None:
+    """Prove each GPU pair's peer-to-peer path: verified copies, bandwidth, exact all-reduce, host facts.
+
+    Exit 0 when nothing is broken, 1 when a copy or collective is wrong or hangs.
+    """
+    from gpudiag.checks.peer import parse_sizes
+    from gpudiag.checks.peer import peer as run_peer
+    from gpudiag.hw.machine import load_machine
+    from gpudiag.render import render
+
+    machine = load_machine(machine_file) if machine_file else None
+    report = run_peer(
+        machine=machine, pairs=pairs, sizes=parse_sizes(sizes) if sizes else None, inject=inject
+    )
+    render("peer", report, fmt, sys.stdout)
+    ctx.exit(report.exit_code())
+
+
 @cli.group()
 def ckpt() -> None:
     """Inspect checkpoints and repair DataParallel/DDP/compile key prefixes, safely."""

@@ -14,6 +14,7 @@ FORMATS = {
     "topology": ("text", "json", "markdown", "dot"),
     "gradcheck": ("text", "json", "markdown"),
     "nancheck": ("text", "json", "markdown"),
+    "peer": ("text", "json", "markdown"),
     "ckpt_inspect": ("text", "json", "markdown"),
     "ckpt_convert": ("text", "json", "markdown"),
 }

@@ -29,3 +29,7 @@ def ckpt_inspect(result: Any, stream: TextIO) -> None:
 
 def ckpt_convert(result: Any, stream: TextIO) -> None:
     write(result.to_json(), stream)
+
+
+def peer(report: Any, stream: TextIO) -> None:
+    write(report.to_json(), stream)

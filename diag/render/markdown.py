@@ -146,3 +146,10 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
     stream.write(
         "## Checkpoint conversion\n\n```\n" + "\n".join(_ckpt_lines("convert", result.to_json())) + "\n```\n"
     )
+
+
+def peer(report: Any, stream: TextIO) -> None:
+    from gpudiag.render.text import _peer_lines
+
+    stream.write("## peer\n\n```\n" + "\n".join(_peer_lines(report)) + "\n```\n\n")
+    stream.write(findings(report.findings, "Findings"))

@@ -381,3 +381,37 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
 
         for line in _ckpt_lines("convert", result.to_json()):
             out.print(escape(line))
+
+
+def _peer_lines(report: Any) -> list[str]:
+    """Plain lines shared by the text and markdown views of ``peer``."""
+    lines = [f"peer {report.verdict.upper()} · {report.devices} devices"]
+    for r in report.pairs:
+        wrong = [c for c in r.copies if c["wrong"]]
+        copies = f"{len(r.copies)} copies, {len(wrong)} wrong" if r.copies else "no copies"
+        grant = ", ".join(f"{k} {v}" for k, v in r.grant.items() if v is not None) or "unknown"
+        line = f"  {r.src}->{r.dst} over {r.link or '?'}: grant {grant}; {copies}"
+        if r.bandwidth:
+            line += f"; direct {r.bandwidth['direct_gbs']} GB/s vs staged {r.bandwidth['staged_gbs']} GB/s"
+        lines.append(line)
+        if r.allreduce:
+            for label, res in r.allreduce.items():
+                state = "hung" if res.get("hung") else f"{res.get('wrong')} wrong"
+                lines.append(f"    all-reduce {label}: {state}")
+    host = report.host
+    lines.append(
+        f"  host: IOMMU {host.iommu_mode}; {len(host.acs_redirect)} ACS redirect(s); "
+        f"{len(host.kernel_lines)} kernel log line(s); NCCL settings {host.nccl or 'none'}"
+    )
+    lines += [f"  could not collect {k}: {v}" for k, v in host.missing.items()]
+    lines += [f"  skipped: {s}" for s in report.skipped]
+    return lines
+
+
+def peer(report: Any, stream: TextIO) -> None:
+    with text_console(stream) as out:
+        from rich.markup import escape
+
+        for line in _peer_lines(report):
+            out.print(escape(line))
+        findings(out, report.findings, "Findings")

@@ -154,3 +154,27 @@ def corrupt(tensor: Any, fault: Fault) -> Any:
         bits = flat[:1].view(ints)
         bits ^= 1 << _EXPONENT_BIT[size]
     return out
+
+
+def for_devices(
+    specs: list[str] | tuple[str, ...], devices: tuple[int, ...], to_ranks: bool
+) -> tuple[str, ...]:
+    """The --inject specs that concern a run on ``devices`` (numbered as the machine). For
+    rank-based runs (ddp, collectives) device numbers become ranks: rank i = devices[i]."""
+    out = []
+    for fault in (parse_fault(s) for s in specs):
+        if (fault.dst is not None and fault.dst not in devices) or (
+            fault.src is not None and fault.src not in devices
+        ):
+            continue
+        if to_ranks:
+            fault = Fault(
+                None if fault.src is None else devices.index(fault.src),
+                None if fault.dst is None else devices.index(fault.dst),
+                fault.kind,
+                fault.step,
+                fault.count,
+                fault.factor,
+            )
+        out.append(fault.text)
+    return tuple(out)

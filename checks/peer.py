@@ -1,0 +1,400 @@
+"""peer: the peer-to-peer path that corrupts data — proven, not taken from a capability bit.
+
+For each ordered GPU pair (src → dst):
+
+- the grant: peer access as torch (``can_device_access_peer``) and NVML report it — a grant,
+  not proof;
+- one-way copies verified at the destination: a known pattern (``arange mod 251``) of each
+  size and dtype is copied src → dst and compared there with the pattern computed on dst
+  (a round trip, as simpleP2P does, cannot see a write that lands in the wrong place). The
+  first copy this process makes is ``cold`` (first-copy bugs), the repeat ``warm``;
+- bandwidth (CUDA only): the direct copy against one staged through host memory — direct
+  slower than staged is the signature of an ACS/IOMMU redirect;
+- a two-rank all-reduce with exact expected values (sums of small integers, exact in fp32)
+  as configured, and again with ``NCCL_P2P_DISABLE=1`` as the control, each with a timeout.
+
+Plus host facts that explain failures (:mod:`gpudiag.hw.host`). On virtual devices
+(``--machine``) copies and collectives run on the CPU and ``--inject`` breaks them; the
+bandwidth test is skipped (meaningless on a CPU). Without GPUs and without ``--machine``
+only the host probes run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpudiag.errors import InputError
+from gpudiag.findings import Finding
+from gpudiag.hw.host import HostFacts, Runner, collect
+from gpudiag.runtime import DeviceSet, RankFailure
+from gpudiag.runtime.faults import FaultPlan, corrupt, for_devices
+from gpudiag.runtime.launch import launch
+from gpudiag.runtime.transport import Transport
+from gpudiag.topology.model import Topology
+
+SCHEMA = "gpudiag.peer/1"
+GPU_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
+VIRTUAL_SIZES = (4 << 10, 64 << 10, 1 << 20)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+ALLREDUCE_ELEMENTS = 1 << 16
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``4K,1M,256M`` → bytes."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper().removesuffix("B").removesuffix("I")
+        unit = _UNITS.get(part[-1:], 1)
+        number = part[:-1] if part[-1:] in _UNITS else part
+        if not number.isdigit() or int(number) * unit < 8:
+            raise InputError(f"bad --sizes {text!r}: expected sizes like 4K,1M,256M")
+        sizes.append(int(number) * unit)
+    return tuple(sizes)
+
+
+@dataclass
+class PairResult:
+    src: int
+    dst: int
+    link: str | None
+    grant: dict[str, Any]
+    copies: list[dict[str, Any]] = field(default_factory=list)
+    bandwidth: dict[str, Any] | None = None
+    allreduce: dict[str, Any] | None = None
+
+
+@dataclass
+class PeerReport:
+    verdict: str
+    devices: str
+    pairs: list[PairResult]
+    host: HostFacts
+    skipped: list[str]
+    findings: list[Finding]
+
+    def exit_code(self) -> int:
+        return 1 if self.verdict == "fail" else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "verdict": self.verdict,
+            "devices": self.devices,
+            "pairs": [p.__dict__ for p in self.pairs],
+            "host": self.host.__dict__,
+            "skipped": self.skipped,
+            "findings": [f.to_json() for f in self.findings],
+        }
+
+
+def _pattern(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return (torch.arange(n, device=device) % 251).to(dtype)
+
+
+def copy_check(
+    transport: Transport, src: int, dst: int, nbytes: int, dtype_name: str, phase: str
+) -> dict[str, Any]:
+    """Copy a pattern src → dst once; count wrong elements at the destination."""
+    dtype = DTYPES[dtype_name]
+    n = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    devices = transport.devices
+    data = _pattern(n, dtype, devices.torch_device(src))
+    start = time.perf_counter()
+    arrived = transport.move(data, src, dst, "peer-copy")
+    if arrived.is_cuda:
+        torch.cuda.synchronize(arrived.device)
+    elapsed = time.perf_counter() - start
+    expected = _pattern(n, dtype, devices.torch_device(dst))
+    wrong = int((arrived != expected).sum())
+    return {
+        "bytes": n * data.element_size(),
+        "dtype": dtype_name,
+        "phase": phase,
+        "wrong": wrong,
+        "seconds": round(elapsed, 6),
+    }
+
+
+def bandwidth(devices: DeviceSet, src: int, dst: int, nbytes: int) -> dict[str, Any]:
+    """GB/s of a direct copy against one staged through pinned host memory (CUDA)."""
+    data = torch.empty(nbytes // 4, dtype=torch.float32, device=devices.torch_device(src))
+    staging = torch.empty_like(data, device="cpu").pin_memory()
+    target = torch.empty_like(data, device=devices.torch_device(dst))
+
+    def timed(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+    direct = timed(lambda: target.copy_(data))
+    staged = timed(lambda: (staging.copy_(data), target.copy_(staging)))
+    return {"bytes": nbytes, "direct_gbs": round(direct, 2), "staged_gbs": round(staged, 2)}
+
+
+def _allreduce_rank(rank: int, world: int, n: int, faults: tuple[str, ...], gpus: tuple[int, ...]) -> bytes:
+    import json
+
+    import torch.distributed as dist
+
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(gpus[rank])
+        device = f"cuda:{gpus[rank]}"
+    values = (rank + 1) * _pattern(n, torch.float32, torch.device(device))
+    dist.all_reduce(values)
+    plan = FaultPlan.parse(faults)
+    for fault in plan.due_on_rank(rank, 1):
+        values = corrupt(values, fault)
+    expected = (world * (world + 1) // 2) * _pattern(n, torch.float32, torch.device(device))
+    return json.dumps({"rank": rank, "wrong": int((values != expected).sum())}).encode()
+
+
+def allreduce_check(
+    pair: tuple[int, int], devices: DeviceSet, faults: tuple[str, ...], timeout: float
+) -> dict[str, Any]:
+    """All-reduce on the pair as configured and with NCCL_P2P_DISABLE=1 (the control)."""
+    import json
+
+    backend = "gloo" if devices.kind == "virtual" else "nccl"
+    out: dict[str, Any] = {}
+    for label, disable in (("configured", None), ("p2p_disabled", "1")):
+        saved = os.environ.get("NCCL_P2P_DISABLE")
+        if disable is not None:
+            os.environ["NCCL_P2P_DISABLE"] = disable
+        try:
+            results = [
+                json.loads(r)
+                for r in launch(
+                    _allreduce_rank,
+                    2,
+                    backend=backend,
+                    timeout=timeout,
+                    args=(ALLREDUCE_ELEMENTS, faults if disable is None else (), pair),
+                )
+            ]
+            out[label] = {
+                "wrong": sum(r["wrong"] for r in results),
+                "hung": False,
+                "wrong_by_rank": {pair[r["rank"]]: r["wrong"] for r in results},
+            }
+        except RankFailure as failure:
+            out[label] = {"wrong": None, "hung": failure.code == "rank-hung", "error": str(failure)}
+        finally:
+            if disable is not None:
+                if saved is None:
+                    os.environ.pop("NCCL_P2P_DISABLE", None)
+                else:
+                    os.environ["NCCL_P2P_DISABLE"] = saved
+    return out
+
+
+def peer(
+    *,
+    machine: Topology | None = None,
+    pairs: str = "all",
+    sizes: tuple[int, ...] | None = None,
+    inject: tuple[str, ...] | list[str] = (),
+    runner: Runner | None = None,
+    timeout: float = 60.0,
+) -> PeerReport:
+    """Probe the host, then every ordered pair of GPUs (or virtual devices)."""
+    from gpudiag.checks.nancheck import parse_pairs
+
+    for spec in inject:
+        FaultPlan.parse([spec])
+    host = collect(runner)
+    skipped: list[str] = []
+    results: list[PairResult] = []
+    if machine is not None:
+        gpus = sorted(info.index for info in machine.gpus.values())
+        devices = DeviceSet.virtual(gpus, machine)
+        skipped.append("bandwidth: virtual devices copy in CPU memory; direct vs staged is meaningless there")
+    elif torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        gpus = list(range(torch.cuda.device_count()))
+        devices = DeviceSet.cuda(gpus)
+    else:
+        gpus, devices = [], None
+        skipped.append(
+            "GPU tests: fewer than 2 CUDA GPUs here; host probes only (simulate with --machine FILE)"
+        )
+    if devices is not None:
+        sizes = sizes or (VIRTUAL_SIZES if devices.kind == "virtual" else GPU_SIZES)
+        transport = Transport(devices, faults=FaultPlan.parse(list(inject)))
+        grants = {(p.a, p.b): p.p2p for p in machine.pairs()} if machine is not None else {}
+        for a, b in parse_pairs(pairs, gpus):
+            for src, dst in ((a, b), (b, a)):
+                grant = {"nvml": grants.get((a, b))}
+                if devices.kind == "cuda":
+                    grant["torch"] = bool(torch.cuda.can_device_access_peer(src, dst))
+                link = devices.link(src, dst)
+                result = PairResult(src, dst, link, grant)
+                for dtype in DTYPES:
+                    for phase in ("cold", "warm"):
+                        for size in sizes:
+                            result.copies.append(copy_check(transport, src, dst, size, dtype, phase))
+                if devices.kind == "cuda":
+                    result.bandwidth = bandwidth(devices, src, dst, max(sizes))
+                results.append(result)
+            pair_devices = (a, b)
+            report = allreduce_check(
+                pair_devices,
+                DeviceSet.virtual(list(pair_devices), machine)
+                if devices.kind == "virtual"
+                else DeviceSet.cuda(list(pair_devices)),
+                for_devices(tuple(inject), pair_devices, to_ranks=True),
+                timeout,
+            )
+            results[-2].allreduce = report
+    findings = conclude(results, host)
+    verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
+    return PeerReport(verdict, devices.kind if devices else "none", results, host, skipped, findings)
+
+
+_CONFIRM = "rerun with NCCL_P2P_DISABLE=1 (and compare p2pBandwidthLatencyTest with P2P on and off)"
+_FIX = "boot with iommu=pt (or disable VT-d/AMD-Vi), disable ACS on the PCIe switches (pci=noacs or setpci)"
+
+
+def conclude(results: list[PairResult], host: HostFacts) -> list[Finding]:
+    out: list[Finding] = []
+    denied = [
+        (r.src, r.dst, r.grant)
+        for r in results
+        if r.grant.get("torch") is False or r.grant.get("nvml") not in (None, "OK")
+    ]
+    if denied:
+        out.append(
+            Finding(
+                "p2p-not-supported",
+                "warning",
+                f"peer access is not granted for {len(denied)} direction(s), "
+                f"e.g. {denied[0][0]}->{denied[0][1]}",
+                {"directions": [[s, d, g] for s, d, g in denied]},
+                fix="expected on GeForce and in many VMs: NCCL uses shared memory instead",
+            )
+        )
+    bad = [(r, c) for r in results for c in r.copies if c["wrong"]]
+    if bad:
+        r, c = bad[0]
+        out.append(
+            Finding(
+                "p2p-copy-mismatch",
+                "error",
+                f"copies {r.src}->{r.dst} over {r.link or 'an unknown link'} arrive wrong: "
+                f"{c['wrong']} wrong element(s) in {c['bytes']} bytes of {c['dtype']} ({c['phase']}); "
+                f"{len(bad)} bad copies in all",
+                {
+                    "directions": sorted({(x.src, x.dst) for x, _ in bad}),
+                    "first": {"src": r.src, "dst": r.dst, **c},
+                },
+                cause="the peer-to-peer path delivers wrong data (IOMMU translating peer DMA, ACS "
+                "redirect, a GPU/driver that grants P2P it cannot do)",
+                fix=f"confirm: {_CONFIRM}; fix: {_FIX}",
+            )
+        )
+    inverted = [r for r in results if r.bandwidth and r.bandwidth["direct_gbs"] < r.bandwidth["staged_gbs"]]
+    if inverted:
+        r = inverted[0]
+        out.append(
+            Finding(
+                "p2p-bandwidth-inverted",
+                "warning",
+                f"direct copies {r.src}->{r.dst} ({r.bandwidth['direct_gbs']} GB/s) are slower than copies "
+                f"staged through the host ({r.bandwidth['staged_gbs']} GB/s)",
+                {"directions": [[x.src, x.dst, x.bandwidth] for x in inverted]},
+                cause="peer traffic redirected through the root complex (ACS) or translated by an IOMMU",
+                fix=_FIX,
+            )
+        )
+    for r in results:
+        report = r.allreduce or {}
+        configured, control = report.get("configured"), report.get("p2p_disabled")
+        if not configured:
+            continue
+        if configured.get("hung"):
+            out.append(
+                Finding(
+                    "collective-hang",
+                    "error",
+                    f"the all-reduce on GPUs {r.src},{r.dst} did not finish"
+                    + ("; with NCCL_P2P_DISABLE=1 it did" if control and control.get("wrong") == 0 else ""),
+                    {"pair": [r.src, r.dst], "control_ok": bool(control and control.get("wrong") == 0)},
+                    cause="peer-to-peer traffic that stalls (ACS/IOMMU), see failure-modes 1.2",
+                    fix=f"confirm: {_CONFIRM}; fix: {_FIX}",
+                )
+            )
+        elif configured.get("wrong"):
+            control_ok = bool(control and control.get("wrong") == 0)
+            out.append(
+                Finding(
+                    "allreduce-wrong-values",
+                    "error",
+                    f"the all-reduce on GPUs {r.src},{r.dst} returned {configured['wrong']} wrong value(s)"
+                    + ("; with NCCL_P2P_DISABLE=1 it was exact" if control_ok else ""),
+                    {
+                        "pair": [r.src, r.dst],
+                        "wrong_by_gpu": configured.get("wrong_by_rank"),
+                        "control_ok": control_ok,
+                    },
+                    cause="collectives corrupted on the peer-to-peer path while copies may pass",
+                    fix=f"confirm: {_CONFIRM}; fix: {_FIX}",
+                )
+            )
+    if host.iommu_mode == "translated":
+        out.append(
+            Finding(
+                "iommu-enabled",
+                "warning",
+                "an IOMMU translates device DMA "
+                f"({', '.join(host.iommu_units) or 'enabled on the kernel command line'}); on bare metal "
+                "NVIDIA does not support peer-to-peer through it",
+                {"units": host.iommu_units, "cmdline": host.cmdline, "kernel_log": host.kernel_lines},
+                fix="add iommu=pt to the kernel command line (or disable VT-d/AMD-Vi in the BIOS)",
+            )
+        )
+    if host.acs_redirect:
+        out.append(
+            Finding(
+                "acs-redirect",
+                "warning",
+                f"{len(host.acs_redirect)} PCIe device(s) redirect peer requests "
+                "(ACSCtl ReqRedir+/CmpltRedir+)",
+                {"devices": host.acs_redirect},
+                fix="disable ACS in the BIOS, boot with pci=noacs, or clear it with setpci "
+                "(ECAP_ACS+6.w=0000) on those bridges",
+            )
+        )
+    overrides = {
+        k: v
+        for k, v in host.nccl.items()
+        if k
+        in (
+            "NCCL_P2P_DISABLE",
+            "NCCL_P2P_LEVEL",
+            "NCCL_SHM_DISABLE",
+            "NCCL_IB_DISABLE",
+            "NCCL_ALGO",
+            "NCCL_PROTO",
+            "NCCL_NET",
+        )
+    }
+    if overrides:
+        out.append(
+            Finding(
+                "nccl-env-override",
+                "info",
+                "NCCL settings change how GPUs talk: " + ", ".join(f"{k}={v}" for k, v in overrides.items()),
+                {"settings": overrides},
+                fix="remember them when comparing results; unset to test the default path",
+            )
+        )
+    return out

@@ -1,0 +1,147 @@
+"""gpudiag peer: host probes with canned outputs, and the pair tests on virtual devices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gpudiag.checks.peer import conclude, parse_sizes, peer
+from gpudiag.cli import cli
+from gpudiag.hw.host import Output, Runner, acs_redirects, collect, iommu_mode
+from gpudiag.hw.machine import load_machine
+
+SEED = "diag/examples/seed_8gpu_machine.json"
+
+LSPCI = """\
+00:01.1 PCI bridge: Advanced Micro Devices, Inc. [AMD] Starship/Matisse GPP Bridge
+\tCapabilities: [2a0 v1] Access Control Services
+\t\tACSCap:\tSrcValid+ TransBlk+ ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans+
+\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-
+01:00.0 VGA compatible controller: NVIDIA Corporation AD102 [GeForce RTX 4090]
+\t\tACSCtl:\tSrcValid- TransBlk- ReqRedir- CmpltRedir- UpstreamFwd- EgressCtrl- DirectTrans-
+"""
+DMESG = """\
+[    0.512] AMD-Vi: Interrupt remapping enabled
+[ 1234.5] nvidia 0000:41:00.0: AMD-Vi: Event logged [IO_PAGE_FAULT domain=0x0019 flags=0x0020]
+[ 1300.1] NVRM: Xid (PCI:0000:41:00): 79, GPU has fallen off the bus.
+[ 1301.0] usb 1-1: new high-speed USB device
+"""
+
+
+class Canned(Runner):
+    """A host described by canned outputs (None: the tool or file is missing)."""
+
+    def __init__(
+        self, commands: dict[str, str | None], files: dict[str, str | None], dirs: dict[str, str | None]
+    ):
+        super().__init__()
+        self.commands, self.files, self.dirs = commands, files, dirs
+
+    def run(self, argv: list[str]) -> Output:
+        text = self.commands.get(argv[0])
+        return Output(text, "" if text is not None else f"{argv[0]} is not installed")
+
+    def read(self, path: str) -> Output:
+        text = self.files.get(path)
+        return Output(text, "" if text is not None else f"{path} does not exist")
+
+    def listdir(self, path: str) -> Output:
+        text = self.dirs.get(path)
+        return Output(text, "" if text is not None else f"cannot list {path}")
+
+
+def epyc_host() -> Canned:
+    return Canned(
+        {"dmesg": DMESG, "lspci": LSPCI},
+        {
+            "/proc/cmdline": "BOOT_IMAGE=/vmlinuz root=/dev/nvme0n1p2 ro quiet amd_iommu=on",
+            "/etc/nccl.conf": "NCCL_P2P_LEVEL=SYS\n# comment\n",
+        },
+        {"/sys/class/iommu": "ivhd0\nivhd1"},
+    )
+
+
+def test_host_probes_on_a_machine_with_iommu_and_acs() -> None:
+    facts = collect(epyc_host(), env={"NCCL_DEBUG": "INFO", "HOME": "/root"}, home="/nonexistent")
+    assert facts.iommu_mode == "translated" and facts.iommu_units == ["ivhd0", "ivhd1"]
+    assert len(facts.kernel_lines) == 3 and "IO_PAGE_FAULT" in facts.kernel_lines[1]
+    assert len(facts.acs_redirect) == 1 and facts.acs_redirect[0].startswith("00:01.1 PCI bridge")
+    assert facts.nccl == {"NCCL_DEBUG": "INFO", "NCCL_P2P_LEVEL": "SYS (/etc/nccl.conf)"}
+    codes = [f.code for f in conclude([], facts)]
+    assert codes == ["iommu-enabled", "acs-redirect", "nccl-env-override"]
+
+
+def test_missing_tools_are_reported_not_fatal() -> None:
+    facts = collect(Canned({}, {}, {}), env={})
+    assert facts.iommu_mode == "unknown"
+    assert set(facts.missing) == {"cmdline", "iommu", "dmesg", "lspci"}
+    assert conclude([], facts) == []
+
+
+def test_a_tool_that_hangs_times_out() -> None:
+    out = Runner(timeout=0.2).run(["sleep", "5"])
+    assert out.text is None and "did not answer" in out.reason
+    assert Runner().run(["definitely-not-a-tool-xyz"]).reason.endswith("is not installed")
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "units", "mode"),
+    [
+        ("quiet iommu=pt intel_iommu=on", ["dmar0"], "passthrough"),
+        ("quiet", ["dmar0"], "translated"),
+        ("intel_iommu=off", [], "off"),
+        ("quiet", [], "off"),
+        ("", [], "unknown"),
+    ],
+)
+def test_iommu_mode(cmdline: str, units: list[str], mode: str) -> None:
+    assert iommu_mode(cmdline, units) == mode
+
+
+def test_acs_parser_ignores_devices_without_redirect() -> None:
+    assert acs_redirects("01:00.0 VGA\n\t\tACSCtl:\tSrcValid- ReqRedir- CmpltRedir-\n") == []
+
+
+def test_corrupting_link_fails_copies_and_allreduce_with_a_clean_control() -> None:
+    report = peer(
+        machine=load_machine(SEED), pairs="5-6,6-7", inject=("5->6:zero",), runner=Canned({}, {}, {})
+    )
+    assert report.verdict == "fail" and report.exit_code() == 1
+    bad = {(r.src, r.dst) for r in report.pairs for c in r.copies if c["wrong"]}
+    assert bad == {(5, 6)}
+    sizes = sorted({c["bytes"] for r in report.pairs for c in r.copies if c["dtype"] == "fp32"})
+    assert sizes == [4096, 65536, 1 << 20]
+    codes = {f.code: f for f in report.findings}
+    assert codes["p2p-copy-mismatch"].evidence["directions"] == [(5, 6)]
+    assert codes["allreduce-wrong-values"].evidence["control_ok"] is True
+    assert codes["allreduce-wrong-values"].evidence["pair"] == [5, 6]
+
+
+def test_healthy_pairs_pass() -> None:
+    report = peer(machine=load_machine(SEED), pairs="0-1", runner=Canned({}, {}, {}))
+    assert report.verdict == "pass" and report.findings == []
+    assert all(c["wrong"] == 0 for r in report.pairs for c in r.copies)
+    assert any("bandwidth" in s for s in report.skipped)
+
+
+def test_cli_without_gpus_runs_host_probes_only() -> None:
+    result = CliRunner().invoke(cli, ["peer", "--format", "json"])
+    assert result.exit_code == 0
+    doc = json.loads(result.output)
+    assert doc["schema"] == "gpudiag.peer/1" and doc["pairs"] == [] and doc["devices"] == "none"
+    assert any("host probes only" in s for s in doc["skipped"])
+
+
+def test_cli_on_a_machine_file() -> None:
+    result = CliRunner().invoke(
+        cli, ["peer", "--machine", SEED, "--pairs", "6-7", "--sizes", "4K", "--inject", "7->6:nan"]
+    )
+    assert result.exit_code == 1 and "p2p-copy-mismatch" in result.output
+
+
+def test_parse_sizes() -> None:
+    assert parse_sizes("4K,1M,256MiB") == (4096, 1 << 20, 256 << 20)
+    with pytest.raises(Exception, match="bad --sizes"):
+        parse_sizes("4Q")
