@@ -261,11 +261,11 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
-        try:
-            payload = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        payload = fn(rank, world_size, *args)
+        # The result is safe on disk before the group is torn down: a peer that leaves
+        # first can make gloo's teardown abort, and that must not lose the answer.
         _write(Path(folder) / f"rank{rank}.out", payload)
+        _leave_group(dist)
     except BaseException as exc:
         code = 1
         summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
@@ -273,6 +273,15 @@ def _rank_main(
     finally:
         # Leave without running the parent's atexit handlers and finalizers (forked child).
         os._exit(code)
+
+
+def _leave_group(dist: Any) -> None:
+    """Tear the process group down together: a barrier first, so no rank closes its
+    connections while a peer is still using them (gloo aborts the process on that)."""
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -295,4 +304,4 @@ def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ..
         return [bytes(g) for g in gathered]
     finally:
         if created:
-            dist.destroy_process_group()
+            _leave_group(dist)
