@@ -166,6 +166,8 @@ def test_safetensors_both_ways(tmp_path: Path) -> None:
     convert(tmp_path / "w.safetensors", tmp_path / "u.safetensors")
     back = load_file(tmp_path / "u.safetensors")
     assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in back)
+    convert(tmp_path / "w.safetensors", tmp_path / "p.pt", to="pt")
+    small().load_state_dict(torch.load(tmp_path / "p.pt"))
 
 
 def test_shared_storage_to_safetensors(tmp_path: Path) -> None:

@@ -446,7 +446,12 @@ def convert(
     elif loaded.format == "torch-zip" and loaded.archive is not None and not loaded.trusted:
         _write_zip(loaded, tree, dst, force)
     elif loaded.format == "safetensors":
-        raise InputError("safetensors to pt: load it with safetensors.torch.load_file and torch.save it")
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(loaded.path))
+        renamed = {new: tensors[old] for old, new in zip(found[()], tree, strict=True)}
+        _write_torch(loaded, renamed, dst, force)
+        notes.append("safetensors to pt: the tensors pass through memory (torch.save needs them all)")
     else:
         _write_torch(loaded, tree, dst, force)
         notes.append(f"{loaded.format} input: written through torch.save (memory grows with the checkpoint)")
