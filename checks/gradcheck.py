@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gpudiag.findings import Finding
+from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import DTYPES, ModelFn
@@ -86,30 +87,25 @@ class Comparison:
             "world_size": self.world_size,
             "mode": self.mode,
             "ok": self.ok,
-            "rel_norm_err": _num(self.rel_norm_err),
-            "cosine": _num(self.cosine),
-            "norm_ratio": _num(self.norm_ratio),
-            "max_abs_err": _num(self.max_abs_err),
-            "max_rel_err": _num(self.max_rel_err),
+            "rel_norm_err": _number(self.rel_norm_err),
+            "cosine": _number(self.cosine),
+            "norm_ratio": _number(self.norm_ratio),
+            "max_abs_err": _number(self.max_abs_err),
+            "max_rel_err": _number(self.max_rel_err),
             "worst_param": self.worst_param,
             "first_bad_param": self.first_bad_param,
-            "update_rel_err": None if self.update_rel_err is None else _num(self.update_rel_err),
+            "update_rel_err": None if self.update_rel_err is None else _number(self.update_rel_err),
             "options": self.options,
             "params": [
                 {
                     "name": p.name,
-                    "max_abs_err": _num(p.max_abs_err),
-                    "max_rel_err": _num(p.max_rel_err),
-                    "rel_norm_err": _num(p.rel_norm_err),
+                    "max_abs_err": _number(p.max_abs_err),
+                    "max_rel_err": _number(p.max_rel_err),
+                    "rel_norm_err": _number(p.rel_norm_err),
                 }
                 for p in self.params
             ],
         }
-
-
-def _num(x: float) -> float | str:
-    """JSON has no NaN/Infinity: write them as strings."""
-    return x if math.isfinite(x) else str(x)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch
 
 from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.findings import Finding
+from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.faults import for_devices, parse_fault
 from gpudiag.runtime.run import ModelFn
@@ -90,7 +91,7 @@ class NancheckReport:
                     "device": o.devices[0],
                     "status": o.status,
                     "first_bad_step": o.first_bad_step,
-                    "losses": [_num(x) for x in o.losses],
+                    "losses": [_number(x) for x in o.losses],
                     "error": o.error,
                 }
                 for o in self.singles
@@ -103,17 +104,13 @@ class NancheckReport:
                     "status": o.status,
                     "first_bad_step": o.first_bad_step,
                     "first_bad_transfer": o.first_bad_transfer,
-                    "losses": [_num(x) for x in o.losses],
+                    "losses": [_number(x) for x in o.losses],
                     "error": o.error,
                 }
                 for o in self.pairs
             ],
             "findings": [f.to_json() for f in self.findings],
         }
-
-
-def _num(x: float) -> float | str:
-    return x if math.isfinite(x) else str(x)
 
 
 def parse_pairs(text: str, gpus: list[int]) -> list[tuple[int, int]]:

@@ -232,6 +232,7 @@ def peer(
         transport = Transport(devices, faults=FaultPlan.parse(list(inject)))
         grants = {(p.a, p.b): p.p2p for p in machine.pairs()} if machine is not None else {}
         for a, b in parse_pairs(pairs, gpus):
+            first_direction = len(results)
             for src, dst in ((a, b), (b, a)):
                 grant = {"nvml": grants.get((a, b))}
                 if devices.kind == "cuda":
@@ -254,7 +255,7 @@ def peer(
                 for_devices(tuple(inject), pair_devices, to_ranks=True),
                 timeout,
             )
-            results[-2].allreduce = report
+            results[first_direction].allreduce = report
     findings = conclude(results, host)
     verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
     return PeerReport(verdict, devices.kind if devices else "none", results, host, skipped, findings)

@@ -88,3 +88,10 @@ class TwoInputRegressor(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> dict:
         return {"pred": self.head(torch.tanh(self.a(x) + self.b(z)))}
+
+
+def assert_close_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    """Same keys, every tensor close (rtol 1e-5)."""
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)

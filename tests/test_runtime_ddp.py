@@ -34,10 +34,7 @@ def children() -> list[int]:
     return out
 
 
-def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
+close = models.assert_close_dicts
 
 
 def test_ddp_equals_single_for_a_mean_loss() -> None:

@@ -16,10 +16,7 @@ from tests import models
 SEED_MACHINE = load_machine("diag/examples/seed_8gpu_machine.json")
 
 
-def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
+close = models.assert_close_dicts
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

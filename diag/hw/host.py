@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,6 +144,3 @@ def acs_redirects(lspci_text: str) -> list[str]:
         if "ACSCtl:" in line and ("ReqRedir+" in line or "CmpltRedir+" in line):
             found.append(f"{device}: {line.strip()}")
     return found
-
-
-RunnerFactory = Callable[[], Runner]

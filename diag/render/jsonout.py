@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, TextIO
+
+
+def number(x: float) -> float | str:
+    """JSON has no NaN/Infinity: non-finite numbers are written as "nan", "inf", "-inf"."""
+    return x if math.isfinite(x) else str(x)
 
 
 def write(document: dict[str, Any], stream: TextIO) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from gpudiag.errors import InputError
 from gpudiag.runtime.faults import FaultPlan, corrupt
-from gpudiag.runtime.launch import Ranks, start
+from gpudiag.runtime.launch import launch
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.run import (
     ModelFn,
@@ -114,58 +114,36 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 
 def run_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
     """Launch one process per device of ``config.devices`` and run DDP steps."""
-    return start_ddp(model_fn, inputs, targets, config).result()
-
-
-@dataclass
-class DdpRun:
-    """DDP ranks that are running; :meth:`result` waits for them (see :func:`start_ddp`)."""
-
-    ranks: Ranks
-    config: RunConfig
-    origin: float
-
-    def result(self) -> RunResult:
-        payloads = [unpack(p) for p in self.ranks.wait()]
-        recorder = Recorder(enabled=self.config.watch, origin=self.origin)
-        for data in payloads:
-            recorder_from_data(recorder, data["recorder"])
-        first = payloads[0]
-        gloo = self.config.devices.kind == "virtual"
-        return RunResult(
-            strategy="ddp",
-            losses=first["losses"],
-            grads=first["grads"],
-            params=first["params"],
-            buffers=first["buffers"],
-            recorder=recorder,
-            notes=[sync_batchnorm_note("ddp")] if self.config.sync_batchnorm and gloo else [],
-            rank_losses=[r["losses"] for r in payloads],
-            rank_digests=[r["digests"] for r in payloads],
-            initial_params=first["initial"],
-        )
-
-    def close(self) -> None:
-        self.ranks.close()
-
-
-def start_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> DdpRun:
-    """Start the DDP ranks and return at once: the caller can run other strategies while
-    they work, then call :meth:`DdpRun.result` (or :meth:`DdpRun.close` to abandon them)."""
     world = len(config.devices)
     shards = len(targets.chunk(world))
     if shards < world:
         raise InputError(f"a batch of {len(targets)} gives {shards} shard(s) for {world} DDP ranks")
-    backend = "gloo" if config.devices.kind == "virtual" else "nccl"
+    gloo = config.devices.kind == "virtual"
     origin = time.perf_counter()
-    ranks = start(
+    payloads = launch(
         _rank,
         world,
-        backend=backend,
+        backend="gloo" if gloo else "nccl",
         timeout=config.timeout,
         args=(model_fn, inputs, targets, config, origin),
     )
-    return DdpRun(ranks, config, origin)
+    ranks = [unpack(p) for p in payloads]
+    recorder = Recorder(enabled=config.watch, origin=origin)
+    for data in ranks:
+        recorder_from_data(recorder, data["recorder"])
+    first = ranks[0]
+    return RunResult(
+        strategy="ddp",
+        losses=first["losses"],
+        grads=first["grads"],
+        params=first["params"],
+        buffers=first["buffers"],
+        recorder=recorder,
+        notes=[sync_batchnorm_note("ddp")] if config.sync_batchnorm and gloo else [],
+        rank_losses=[r["losses"] for r in ranks],
+        rank_digests=[r["digests"] for r in ranks],
+        initial_params=first["initial"],
+    )
 
 
 def _shard(inputs: Any, rank: int, world: int) -> Any:

@@ -93,65 +93,15 @@ def launch(
     cheapest safe one, see :func:`start_method`). ``fn`` and ``args`` must be picklable
     unless the method is ``fork``.
     """
-    with start(fn, world_size, backend=backend, timeout=timeout, args=args, method=method) as ranks:
-        return ranks.wait()
-
-
-class Ranks:
-    """Rank processes started by :func:`start`; :meth:`wait` collects them. Use it as a
-    context manager: leaving it reaps every process, also on an error in between."""
-
-    def __init__(
-        self, procs: list[Any], folder: Path | None, timeout: float, joined: list[bytes] | None = None
-    ):
-        self.procs = procs
-        self.folder = folder
-        self.deadline = time.monotonic() + timeout
-        self.timeout = timeout
-        self.joined = joined
-
-    def wait(self) -> list[bytes]:
-        """The bytes of every rank, rank order; :class:`RankFailure` if one crashed or hung."""
-        try:
-            if self.joined is not None:
-                return self.joined
-            assert self.folder is not None
-            return _wait(self.procs, self.folder, self.deadline, self.timeout)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        _reap(self.procs)
-        self.procs = []
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-    def __enter__(self) -> Ranks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def start(
-    fn: RankFn,
-    world_size: int,
-    *,
-    backend: str = "gloo",
-    timeout: float = 120.0,
-    args: tuple[Any, ...] = (),
-    method: str | None = None,
-) -> Ranks:
-    """Start the ranks and return at once, so the caller can work while they run. Under
-    torchrun this process's rank runs here, before returning."""
     if torchrun_env():
-        return Ranks([], None, timeout, _join_torchrun(fn, backend, timeout, args))
+        return _join_torchrun(fn, backend, timeout, args)
     method = method or start_method(backend)
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch"])
     folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
-    ranks = Ranks([], folder, timeout)
+    deadline = time.monotonic() + timeout
+    procs = []
     try:
         for rank in range(world_size):
             proc = ctx.Process(
@@ -161,11 +111,11 @@ def start(
                 daemon=True,
             )
             proc.start()
-            ranks.procs.append(proc)
-    except BaseException:
-        ranks.close()
-        raise
-    return ranks
+            procs.append(proc)
+        return _wait(procs, folder, deadline, timeout)
+    finally:
+        _reap(procs)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[bytes]:

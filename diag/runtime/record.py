@@ -106,13 +106,6 @@ class Recorder:
         out += [("bucket", e) for e in self.buckets]
         return out
 
-    def extend(self, other: Recorder) -> None:
-        """Add the events of a rank's recorder (already on a shared time origin)."""
-        self.transfers += other.transfers
-        self.buckets += other.buckets
-        self.phases += other.phases
-        self.steps += other.steps
-
     def to_jsonl(self) -> str:
         lines = [json.dumps({"type": kind, **asdict(event)}) for kind, event in self.events()]
         return "\n".join(lines) + ("\n" if lines else "")
