@@ -394,13 +394,16 @@ def nancheck_spec(
     num_classes: int = 10,
     batch_size: int = 8,
     machine_file: str | None = None,
+    machine: Topology | None = None,
     **options: Any,
 ) -> NancheckReport:
-    """``gpudiag nancheck``: resolve the model and machine, make the batch, sweep."""
+    """``gpudiag nancheck``: resolve the model and machine (a machine file, or an already
+    loaded ``machine``), make the batch, sweep."""
     from gpudiag.hw.machine import load_machine
     from gpudiag.models import random_batch, resolve_model
 
-    machine = load_machine(machine_file) if machine_file else None
+    if machine_file:
+        machine = load_machine(machine_file)
     factory = resolve_model(model, input_shape, num_classes)
     inputs, targets = random_batch(
         factory, batch_size, input_shape, num_classes, "ce", options.get("seed", 0)

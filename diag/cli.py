@@ -354,6 +354,171 @@ def ckpt_convert(src: str, dst: str, fmt: str, trust: bool, **options: Any) -> N
     render("ckpt_convert", convert(src, dst, trust=trust, **options), fmt, sys.stdout)
 
 
+@cli.command()
+@click.option(
+    "--anonymize", is_flag=True, help="Also mask host names, IP addresses, user names, MASTER_ADDR."
+)
+@format_option(("text", "json", "markdown"))
+def env(anonymize: bool, fmt: str) -> None:
+    """What maintainers ask for: versions, GPUs and their numbering, topology, NCCL settings.
+
+    Everything `python -m torch.utils.collect_env` reports plus topology, the torch/NVML/PCI
+    mapping, NCCL/TORCH/CUDA variables and config files, TF32/determinism flags and the
+    IOMMU. Secrets are replaced by a marker; anything that cannot be read says why.
+    """
+    from gpudiag.render import render
+    from gpudiag.repro.env import collect_env
+    from gpudiag.repro.redact import Redactor
+
+    render("env", collect_env(redactor=Redactor(anonymize=anonymize)), fmt, sys.stdout)
+
+
+def _check_names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    from gpudiag.checks.suite import CHECKS
+
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in names if n not in CHECKS]
+    if bad or not names:
+        raise click.BadParameter(
+            f"expected a list of {', '.join(CHECKS)}; got {value!r}", ctx=ctx, param=param
+        )
+    return names
+
+
+def suite_options(command: Any) -> Any:
+    """The options ``report`` and ``doctor`` share."""
+    options = [
+        click.option(
+            "--checks",
+            callback=_check_names,
+            metavar="LIST",
+            help="Comma-separated: env, topology, peer, gradcheck, nancheck (default: all that apply here).",
+        ),
+        click.option(
+            "-o",
+            "--output",
+            metavar="PATH",
+            help="Bundle to write: a folder, or a .zip (default: gpudiag-report-<UTC time> here).",
+        ),
+        click.option("--force", is_flag=True, help="Replace an existing bundle at PATH."),
+        click.option(
+            "--anonymize", is_flag=True, help="Also mask host names, IP addresses, user names, MASTER_ADDR."
+        ),
+        click.option(
+            "--machine",
+            metavar="FILE",
+            help="A machine file or `nvidia-smi topo -m` capture: run topology, peer and nancheck on "
+            "virtual devices laid out like it (no GPU needed).",
+        ),
+        click.option("--model", metavar="SPEC", help="Model for gradcheck and nancheck (default: mlp)."),
+        click.option(
+            "--inject",
+            multiple=True,
+            metavar="SPEC",
+            callback=_parse_injections,
+            help="Inject a fault into every check that moves tensors: SRC->DST:KIND[@STEP][xCOUNT].",
+        ),
+        format_option(("text", "json", "markdown")),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _progress(total: int) -> Any:
+    """Progress on stderr: one line per check as it starts and as it ends."""
+    done = [0]
+
+    def report(name: str, event: str, run: Any) -> None:
+        if event == "start":
+            click.echo(f"[{done[0] + 1}/{total}] {name} …", err=True)
+        else:
+            done[0] += 1
+            click.echo(f"[{done[0]}/{total}] {name}: {run.status} ({run.seconds:.1f} s)", err=True)
+
+    return report
+
+
+def _run_suite(kind: str, options: dict[str, Any]) -> Any:
+    """Check the inputs, run the checks, write the bundle: the body of report and doctor."""
+    import datetime
+
+    from gpudiag.checks.suite import CHECKS, Here
+    from gpudiag.models import resolve_model
+    from gpudiag.render import render
+    from gpudiag.repro.redact import Redactor
+    from gpudiag.repro.report import check_destination, run_report, write_bundle
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    output = options["output"] or f"gpudiag-report-{stamp}"
+    check_destination(output, options["force"])
+    if options["model"]:
+        resolve_model(options["model"])
+    here = Here.detect(options["machine"])
+    names = options["checks"] or CHECKS
+    report = run_report(
+        here,
+        names,
+        model=options["model"],
+        inject=tuple(options["inject"]),
+        anonymize=options["anonymize"],
+        progress=_progress(len(names)),
+        argv=["gpudiag", *sys.argv[1:]],
+    )
+    redactor = Redactor(anonymize=options["anonymize"])
+    report.bundle_path = str(write_bundle(report, output, redactor=redactor, force=options["force"]))
+    render(kind, report, options["fmt"], sys.stdout)
+    return report
+
+
+@cli.command()
+@suite_options
+@click.pass_context
+def report(ctx: click.Context, **options: Any) -> None:
+    """Run the checks and write a bug-report bundle a maintainer can reproduce.
+
+    The bundle (a folder, or a .zip) holds report.json, REPORT.md to paste into an issue,
+    repro.py (torch only) for each failing check, traces and per-rank logs; secrets never
+    reach it. Exit 1 when a check fails.
+    """
+    ctx.exit(_run_suite("report", options).exit_code())
+
+
+@cli.command()
+@suite_options
+@click.pass_context
+def doctor(ctx: click.Context, **options: Any) -> None:
+    """Start here: find what this machine has, run every check that applies, summarise.
+
+    Prints a table (check, status, headline finding), says what was skipped and why, and
+    writes a report bundle. Without GPUs it runs what it can (gradcheck on CPU virtual
+    devices and gloo, env, host probes); --machine FILE diagnoses a GPU machine from its
+    capture. Exit 1 when a check fails.
+    """
+    ctx.exit(_run_suite("doctor", options).exit_code())
+
+
+@cli.command()
+@click.argument("bundle")
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def replay(ctx: click.Context, bundle: str, fmt: str) -> None:
+    """Re-run a bundle's checks here and compare with what the reporter saw.
+
+    Exit 0 when the results match, 1 when they differ, 2 for a damaged bundle or one from
+    a newer gpudiag.
+    """
+    from gpudiag.render import render
+    from gpudiag.repro.replay import replay as run_replay
+    from gpudiag.repro.report import read_bundle
+
+    result = run_replay(read_bundle(bundle))
+    render("replay", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())
+
+
 def main() -> None:
     """Console-script entry point.
 

@@ -17,6 +17,10 @@ FORMATS = {
     "peer": ("text", "json", "markdown"),
     "ckpt_inspect": ("text", "json", "markdown"),
     "ckpt_convert": ("text", "json", "markdown"),
+    "env": ("text", "json", "markdown"),
+    "report": ("text", "json", "markdown"),
+    "doctor": ("text", "json", "markdown"),
+    "replay": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
 

@@ -39,3 +39,19 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
 
 def peer(report: Any, stream: TextIO) -> None:
     write(report.to_json(), stream)
+
+
+def env(report: Any, stream: TextIO) -> None:
+    write(report.to_json(), stream)
+
+
+def report(report: Any, stream: TextIO) -> None:
+    write({**report.to_json(), "bundle": report.bundle_path}, stream)
+
+
+def doctor(report: Any, stream: TextIO) -> None:
+    write(report.doctor_json(), stream)
+
+
+def replay(report: Any, stream: TextIO) -> None:
+    write(report.to_json(), stream)

@@ -153,3 +153,25 @@ def peer(report: Any, stream: TextIO) -> None:
 
     stream.write("## peer\n\n```\n" + "\n".join(_peer_lines(report)) + "\n```\n\n")
     stream.write(findings(report.findings, "Findings"))
+
+
+def env(report: Any, stream: TextIO) -> None:
+    from gpudiag.repro.env import env_lines
+
+    text = "\n".join(env_lines(report.to_json()))
+    stream.write(f"## Environment (gpudiag env)\n\n```\n{text}\n```\n")
+
+
+def report(report: Any, stream: TextIO) -> None:
+    from gpudiag.repro.markdown import report_markdown
+
+    stream.write(report_markdown(report))
+
+
+doctor = report
+
+
+def replay(report: Any, stream: TextIO) -> None:
+    from gpudiag.render.text import replay_lines
+
+    stream.write("## gpudiag replay\n\n```\n" + "\n".join(replay_lines(report)) + "\n```\n")

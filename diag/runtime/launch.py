@@ -13,6 +13,8 @@ every rank, rank order.
 - Every wait has a deadline. A rank that raises → :class:`RankFailure` ``rank-crashed``
   with its traceback; no answer by the deadline → ``rank-hung``. Either way every rank
   process is terminated and reaped before the error is raised.
+- Inside :func:`rank_logs` each rank's stdout and stderr go to a file per rank (with
+  ``NCCL_DEBUG=INFO`` for NCCL ranks, unless set): the per-rank logs of a bug report.
 - Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) nothing is
   launched: this process joins the group (``env://``) as its rank, runs ``fn`` and
   all-gathers the results, so multi-node runs use torch.distributed's own launcher.
@@ -20,15 +22,18 @@ every rank, rank order.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,23 @@ RankFn = Callable[..., bytes]
 _POLL_S = 0.02
 _GRACE_S = 2.0
 _SETTLE_S = 0.3
+#: Where ranks write their logs while :func:`rank_logs` is active (None: inherit the parent's).
+_log_folder: Path | None = None
+_launches = itertools.count(1)  # numbers the launches inside one rank_logs() block
+
+
+@contextlib.contextmanager
+def rank_logs(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """While active, every launched rank writes its stdout and stderr to
+    ``folder/launch<N>-rank<R>.log``, NCCL ranks with ``NCCL_DEBUG=INFO`` (unless set)."""
+    global _log_folder, _launches
+    previous, _log_folder = _log_folder, Path(folder)
+    _launches = itertools.count(1)
+    _log_folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield _log_folder
+    finally:
+        _log_folder = previous
 
 
 class RankFailure(GpudiagError):
@@ -100,13 +122,14 @@ def launch(
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch"])
     folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
+    logs = None if _log_folder is None else str(_log_folder / f"launch{next(_launches)}")
     deadline = time.monotonic() + timeout
     procs = []
     try:
         for rank in range(world_size):
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, backend, str(folder), timeout, args),
+                args=(fn, rank, world_size, backend, str(folder), timeout, args, logs),
                 name=f"gpudiag-rank{rank}",
                 daemon=True,
             )
@@ -194,11 +217,20 @@ def _reap(procs: list[Any]) -> None:
 
 
 def _rank_main(
-    fn: RankFn, rank: int, world_size: int, backend: str, folder: str, timeout: float, args: tuple[Any, ...]
+    fn: RankFn,
+    rank: int,
+    world_size: int,
+    backend: str,
+    folder: str,
+    timeout: float,
+    args: tuple[Any, ...],
+    logs: str | None = None,
 ) -> None:
     """Body of a rank process: join the group, run, write the result or the traceback."""
     code = 0
     try:
+        if logs is not None:
+            _log_to(f"{logs}-rank{rank}.log", rank, world_size, backend)
         import torch
         import torch.distributed as dist
 
@@ -220,9 +252,31 @@ def _rank_main(
         code = 1
         summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         _write(Path(folder) / f"rank{rank}.err", (summary + "\n" + traceback.format_exc()).encode())
+        if logs is not None:
+            traceback.print_exc()
+            sys.stderr.flush()
     finally:
         # Leave without running the parent's atexit handlers and finalizers (forked child).
         os._exit(code)
+
+
+def _log_to(path: str, rank: int, world_size: int, backend: str) -> None:
+    """Send this rank's stdout and stderr (file descriptors 1 and 2, so NCCL's own
+    output too) to ``path``."""
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError, OSError):
+            stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(
+        f"gpudiag rank {rank} of {world_size}: backend {backend}, pid {os.getpid()}, "
+        f"NCCL_DEBUG={os.environ.get('NCCL_DEBUG', '')}",
+        flush=True,
+    )
 
 
 def _leave_group(dist: Any) -> None:

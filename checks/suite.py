@@ -1,0 +1,368 @@
+"""The checks as one suite: what applies here, how to run each one from a JSON configuration,
+and what each concluded in one status and one headline.
+
+``report``, ``replay`` and ``doctor`` all go through here, so a bundle's recorded
+configuration is exactly what :func:`run_check` needs to run the check again elsewhere.
+
+Statuses: ``pass``; ``explained`` (gradcheck: differences with known causes); ``warning``
+(the check found something to look at); ``fail`` (a problem: exit 1); ``skipped`` (cannot
+run here, with the reason); ``error`` (the check itself broke — a gpudiag bug or bad input).
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.errors import CannotRunHere, GpudiagError
+from gpudiag.findings import Finding
+
+#: Every check, in the order they run (cheapest and most basic first).
+CHECKS = ("env", "topology", "peer", "gradcheck", "nancheck")
+STATUSES = ("pass", "explained", "warning", "fail", "skipped", "error")
+#: What the suite runs when nobody says otherwise: small, quick, and telling.
+DEFAULT_GRADCHECK = {
+    "model": "mlp",
+    "input_shape": [3, 32, 32],
+    "num_classes": 10,
+    "batch_size": 8,
+    "loss": "ce",
+    "strategies": ["single", "dp", "ddp"],
+    "world_size": 2,
+    "steps": 1,
+    "lr": 0.01,
+    "optimizer": "sgd",
+    "dtype": "fp32",
+    "mode": "auto",
+    "seed": 0,
+    "inject": [],
+}
+DEFAULT_NANCHECK = {
+    "model": "mlp",
+    "input_shape": [3, 32, 32],
+    "num_classes": 10,
+    "batch_size": 8,
+    "pairs": "all",
+    "strategy": "dp",
+    "steps": 10,
+    "lr": 0.01,
+    "seed": 0,
+    "inject": [],
+}
+#: The config key that says "on virtual devices laid out like the bundle's machine file".
+MACHINE_FILE = "machine.json"
+
+
+@dataclass
+class CheckRun:
+    """One check's outcome: status, headline, findings and its full result document."""
+
+    name: str
+    status: str
+    headline: str
+    config: dict[str, Any] | None
+    findings: list[Finding] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    report: Any = None  # the check's own report object (traces, repro scripts); not serialised
+
+    @property
+    def command(self) -> str:
+        """The ``gpudiag`` command line that runs this check alone."""
+        return command_line(self.name, self.config)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "headline": self.headline,
+            "command": self.command if self.config is not None else None,
+            "config": self.config,
+            "findings": [f.to_json() for f in self.findings],
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 3),
+            "result": self.result,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckRun:
+        return cls(
+            name=str(data["name"]),
+            status=str(data["status"]),
+            headline=str(data.get("headline", "")),
+            config=data.get("config"),
+            findings=[Finding.from_json(f) for f in data.get("findings", [])],
+            result=data.get("result"),
+            skipped=list(data.get("skipped", [])),
+            seconds=float(data.get("seconds", 0.0)),
+        )
+
+
+@dataclass
+class Here:
+    """What this machine has: CUDA GPUs torch sees, whether NVML answers, and the machine
+    (a machine file or capture) to lay virtual devices out like, if one was given."""
+
+    cuda_gpus: int
+    nvml: str | None  # None when NVML works, else why not
+    machine: Any = None  # a Topology
+    machine_source: str | None = None
+
+    @classmethod
+    def detect(cls, machine: str | None = None) -> Here:
+        """Look, without failing: torch's device count, one NVML call, the machine file."""
+        import torch
+
+        from gpudiag.hw.nvml import NvmlBackend
+
+        try:
+            with NvmlBackend() as backend:
+                backend.driver_version()
+            nvml = None
+        except GpudiagError as exc:
+            nvml = str(exc)
+        topology = load_machine_or_capture(machine) if machine else None
+        return cls(torch.cuda.device_count(), nvml, topology, machine)
+
+
+def load_machine_or_capture(path: str) -> Any:
+    """A machine file (JSON, as ``--save-machine`` writes) or an ``nvidia-smi topo -m`` capture."""
+    from gpudiag.hw.machine import load_machine
+    from gpudiag.topology.capture import parse_capture
+    from gpudiag.topology.sources import read_text_file
+
+    text, name = read_text_file(path)
+    if text.lstrip().startswith("{"):
+        return load_machine(path)
+    return parse_capture(text, name)
+
+
+def plan(
+    here: Here,
+    names: list[str] | tuple[str, ...] | None = None,
+    *,
+    model: str | None = None,
+    inject: tuple[str, ...] = (),
+) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """``(check, config, why skipped)`` for each wanted check (default: all); config None
+    means it cannot run here and ``why`` says why and what would make it run."""
+    virtual = here.machine is not None
+    out: list[tuple[str, dict[str, Any] | None, str]] = []
+    for name in names or CHECKS:
+        config: dict[str, Any] | None = None
+        why = ""
+        if name == "env":
+            config = {}
+        elif name == "topology":
+            if virtual:
+                config = {"machine": MACHINE_FILE}
+            elif here.nvml is None:
+                config = {"source": "nvml"}
+            else:
+                why = "NVML is not available here; diagnose a machine from its capture: --machine topo.txt"
+        elif name == "peer":
+            config = {"machine": MACHINE_FILE if virtual else None, "pairs": "all", "inject": list(inject)}
+        elif name == "gradcheck":
+            config = {**DEFAULT_GRADCHECK, "inject": list(inject)}
+            if model:
+                config["model"] = model
+        elif name == "nancheck":
+            if virtual or here.cuda_gpus >= 1:
+                config = {**DEFAULT_NANCHECK, "machine": MACHINE_FILE if virtual else None}
+                config["inject"] = list(inject)
+                if model:
+                    config["model"] = model
+            else:
+                why = "no CUDA GPU here; train on virtual devices laid out like a machine: --machine topo.txt"
+        else:
+            raise ValueError(f"unknown check {name!r}")
+        out.append((name, config, why))
+    return out
+
+
+def run_check(name: str, config: dict[str, Any] | None, here: Here, *, why: str = "") -> CheckRun:
+    """Run one check from its configuration; never raises for the check's own failures."""
+    if config is None:
+        return CheckRun(name, "skipped", why or "cannot run here", None)
+    start = time.perf_counter()
+    try:
+        run = _RUNNERS[name](config, here)
+    except CannotRunHere as exc:
+        run = CheckRun(name, "skipped", str(exc), config)
+    except GpudiagError as exc:
+        run = CheckRun(name, "error", str(exc), config)
+    except Exception as exc:  # one broken check must not take the others down
+        run = CheckRun(name, "error", f"internal error: {type(exc).__name__}: {exc}", config)
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _machine(config: Mapping[str, Any], here: Here) -> Any:
+    if config.get("machine") is None:
+        return None
+    if here.machine is None:
+        raise CannotRunHere(
+            "this check ran on virtual devices laid out like a machine file, and none was given"
+        )
+    return here.machine
+
+
+def _headline(findings: list[Finding], fallback: str) -> str:
+    for severity in ("error", "warning"):
+        for f in findings:
+            if f.severity == severity:
+                return f"{f.code}: {f.message}"
+    return fallback
+
+
+def _env(config: dict[str, Any], here: Here) -> CheckRun:
+    from gpudiag.repro.env import collect_env
+
+    report = collect_env(live_topology=here.machine is None)
+    warning = report.sections.get("security", {}).get("warning")
+    findings = []
+    if warning:
+        findings.append(
+            Finding("weights-only-load-off", "warning", warning, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "set"})
+        )
+    versions = report.sections.get("versions", {})
+    summary = f"torch {versions.get('torch')}, CUDA {versions.get('cuda_runtime') or 'none'}"
+    summary += f", NCCL {versions.get('nccl_runtime') or 'none'}"
+    summary += f"; {len(report.missing)} item(s) could not be collected"
+    return CheckRun(
+        "env",
+        "warning" if findings else "pass",
+        _headline(findings, summary),
+        config,
+        findings,
+        report.to_json(),
+        report=report,
+    )
+
+
+def _topology(config: dict[str, Any], here: Here) -> CheckRun:
+    from gpudiag.topology.analysis import analyze
+    from gpudiag.topology.sources import read_topology
+
+    topo = _machine(config, here) if config.get("machine") else read_topology()
+    report = analyze(topo)
+    findings = list(report.findings)
+    fallback = f"{len(topo.gpu_labels)} GPU(s) from {topo.source}; {len(report.pairs)} pair(s), no warnings"
+    status = "warning" if report.warnings else "pass"
+    return CheckRun(
+        "topology", status, _headline(findings, fallback), config, findings, report.to_json(), report=report
+    )
+
+
+def _peer(config: dict[str, Any], here: Here) -> CheckRun:
+    from gpudiag.checks.peer import parse_sizes, peer
+
+    sizes = config.get("sizes")
+    report = peer(
+        machine=_machine(config, here),
+        pairs=config.get("pairs", "all"),
+        sizes=parse_sizes(sizes) if sizes else None,
+        inject=tuple(config.get("inject", ())),
+    )
+    status = (
+        report.verdict if report.verdict == "fail" else ("warning" if _warns(report.findings) else "pass")
+    )
+    fallback = f"{len(report.pairs)} direction(s) verified on {report.devices} devices"
+    if not report.pairs:
+        fallback = "host probes only"
+    return CheckRun(
+        "peer",
+        status,
+        _headline(report.findings, fallback),
+        config,
+        report.findings,
+        report.to_json(),
+        skipped=list(report.skipped),
+        report=report,
+    )
+
+
+def _gradcheck(config: dict[str, Any], here: Here) -> CheckRun:
+    from gpudiag.checks.gradcheck import gradcheck_spec
+
+    options = dict(config)
+    options["input_shape"] = tuple(options.get("input_shape", (3, 32, 32)))
+    options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
+    options["inject"] = tuple(options.get("inject", ()))
+    report = gradcheck_spec(**options)
+    others = ", ".join(s for s in report.config["strategies"] if s != "single")
+    fallback = f"{others} agree with single (tolerance {report.tolerance['rel_norm_err']:.3g})"
+    if report.verdict == "explained":
+        fallback = "differences, all explained: " + ", ".join(
+            f.code for f in report.findings if f.severity == "warning"
+        )
+    skipped = [f.message for f in report.findings if f.code == "syncbn-skipped"]
+    return CheckRun(
+        "gradcheck",
+        report.verdict,
+        _headline(report.findings, fallback),
+        config,
+        report.findings,
+        report.to_json(),
+        skipped=skipped,
+        report=report,
+    )
+
+
+def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
+    from gpudiag.checks.nancheck import nancheck_spec
+
+    machine = _machine(config, here)
+    if machine is None and here.cuda_gpus < 1:
+        raise CannotRunHere("no CUDA GPU here (nancheck can run on virtual devices with --machine)")
+    options = {k: v for k, v in config.items() if k != "machine"}
+    options["input_shape"] = tuple(options.get("input_shape", (3, 32, 32)))
+    options["inject"] = tuple(options.get("inject", ()))
+    report = nancheck_spec(machine=machine, **options)
+    report.config["machine"] = config.get("machine")
+    fallback = f"{len(report.singles)} GPU(s) alone and {len(report.pairs)} pair(s) train without NaN"
+    return CheckRun(
+        "nancheck",
+        report.verdict,
+        _headline(report.findings, fallback),
+        config,
+        report.findings,
+        report.to_json(),
+        report=report,
+    )
+
+
+def _warns(findings: list[Finding]) -> bool:
+    return any(f.severity == "warning" for f in findings)
+
+
+_RUNNERS = {"env": _env, "topology": _topology, "peer": _peer, "gradcheck": _gradcheck, "nancheck": _nancheck}
+
+
+def command_line(name: str, config: Mapping[str, Any] | None) -> str:
+    """The equivalent ``gpudiag`` command (machine files as the bundle's ``machine.json``)."""
+    config = config or {}
+    argv = ["gpudiag", name]
+    if name == "topology" and config.get("machine"):
+        argv += ["--machine", str(config["machine"])]
+    for key, value in config.items():
+        if name == "topology" or key == "source" or value is None or value == [] or value is False:
+            continue
+        if key == "machine" and name in ("peer", "nancheck"):
+            argv += ["--machine", str(value)]
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key == "inject":
+            for spec in value:
+                argv += [flag, spec]
+        elif isinstance(value, list):
+            argv += [flag, ",".join(map(str, value))]
+        elif value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return shlex.join(argv)

@@ -1,0 +1,292 @@
+"""``gpudiag env``: everything a PyTorch or NCCL maintainer asks for, in one place.
+
+What ``python -m torch.utils.collect_env`` reports (its collectors are reused, fed through
+our :class:`~gpudiag.hw.host.Runner` so every command has a timeout) plus what it does not
+know: the GPUs with the torch ↔ nvidia-smi ↔ PCI mapping, the NCCL runtime version, the
+topology, ``CUDA_VISIBLE_DEVICES``/``CUDA_DEVICE_ORDER``, every ``NCCL_*``/``TORCH_*``/
+``CUDA_*`` variable, ``/etc/nccl.conf`` and ``~/.nccl.conf``, determinism and TF32 flags,
+the IOMMU state and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``.
+
+Each collector runs on its own and never fails the command: what it could not read is
+listed under ``missing`` with the reason ("could not collect"). Every value passes through a
+:class:`~gpudiag.repro.redact.Redactor` before it is returned.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag import __version__
+from gpudiag.hw.host import HostFacts, Runner
+from gpudiag.hw.host import collect as collect_host
+from gpudiag.repro.redact import Redactor, flagged_settings
+
+SCHEMA = "gpudiag.env/1"
+#: Variables shown in full (after redaction): the ones that change how CUDA, NCCL and torch behave.
+VARIABLE_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "CUBLAS_", "CUDNN_")
+#: Launcher variables that say how the ranks were started (their values may be anonymized).
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS")
+#: Installed distributions worth listing (collect_env's pip filter, plus the NVML binding
+#: and the NCCL wheel that decides which libnccl torch loads).
+PACKAGES = re.compile(
+    r"^(torch|torchvision|torchaudio|numpy|triton|nvidia-.*|pytorch-lightning|lightning|accelerate|"
+    r"deepspeed|transformers|safetensors|apex|onnx.*|mypy|gpudiag)$",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class EnvReport:
+    """``sections``: name → {field: value}; ``missing``: collector → why it could not collect."""
+
+    sections: dict[str, dict[str, Any]]
+    missing: dict[str, str] = field(default_factory=dict)
+    host: HostFacts | None = None  # raw probes, for peer's conclusions
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "sections": self.sections, "missing": self.missing}
+
+
+class _TorchCollectEnv:
+    """``torch.utils.collect_env``'s ``run_lambda`` on top of a :class:`Runner`: its
+    commands are fixed shell strings (pipes included), run with our timeout."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def __call__(self, command: str | list[str]) -> tuple[int, str, str]:
+        argv = ["sh", "-c", command] if isinstance(command, str) else list(command)
+        out = self.runner.run(argv)
+        if out.text is None:
+            return 1, "", out.reason
+        return 0, out.text.strip(), ""
+
+
+def collect_env(
+    runner: Runner | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    redactor: Redactor | None = None,
+    home: str | None = None,
+    live_topology: bool = True,
+) -> EnvReport:
+    """Run every collector; never raises. ``environ`` defaults to ``os.environ``."""
+    runner = runner or Runner()
+    environ = dict(os.environ if environ is None else environ)
+    redactor = redactor or Redactor(environ)
+    missing: dict[str, str] = {}
+    sections: dict[str, dict[str, Any]] = {}
+
+    def section(name: str, collector: Callable[[], dict[str, Any]]) -> None:
+        try:
+            sections[name] = collector()
+        except Exception as exc:  # a collector must never fail the command
+            missing[name] = f"could not collect: {type(exc).__name__}: {exc}"
+
+    host = collect_host(runner, environ, home)
+    torch_env = _TorchCollectEnv(runner)
+    section("versions", lambda: _versions(torch_env, missing))
+    section("gpus", lambda: _gpus(environ, missing, live_topology))
+    section("visibility", lambda: _visibility(environ))
+    section("variables", lambda: _variables(environ, redactor))
+    section("nccl_config", lambda: _nccl_config(runner, home))
+    section("flags", _flags)
+    section("iommu", lambda: _iommu(host))
+    section("security", lambda: _security(environ))
+    section("packages", _packages)
+    section("system", lambda: _system(torch_env))
+    for probe, reason in host.missing.items():
+        missing.setdefault(f"host.{probe}", f"could not collect: {reason}")
+    return EnvReport(redactor.data(sections), redactor.data(missing), host)
+
+
+def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
+    import torch
+    import torch.utils.collect_env as ce
+
+    out: dict[str, Any] = {
+        "gpudiag": __version__,
+        "python": f"{platform.python_version()} ({sys.maxsize.bit_length() + 1}-bit)",
+        "torch": torch.__version__,
+        "torch_debug_build": torch.version.debug,
+        "cuda_used_to_build_torch": torch.version.cuda,
+        "hip_used_to_build_torch": torch.version.hip,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_runtime": ce.get_running_cuda_version(run),
+        "nvidia_driver": ce.get_nvidia_driver_version(run),
+        "cudnn": _cudnn(torch, ce, run),
+        "nccl_runtime": _nccl_runtime(torch),
+        "gpu_models": ce.get_gpu_info(run),
+        "cuda_module_loading": ce.get_cuda_module_loading_config(),
+    }
+    for key in ("cuda_runtime", "nvidia_driver", "gpu_models"):
+        if out[key] is None:
+            missing.setdefault(f"versions.{key}", "could not collect: nvidia-smi / nvcc not found or failed")
+    return out
+
+
+def _cudnn(torch: Any, ce: Any, run: _TorchCollectEnv) -> Any:
+    if torch.backends.cudnn.is_available():
+        return torch.backends.cudnn.version()
+    return ce.get_cudnn_version(run)
+
+
+def _nccl_runtime(torch: Any) -> str | None:
+    """The NCCL torch actually loaded (``torch.cuda.nccl.version()``), not the wheel's."""
+    if not torch.cuda.is_available():
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _gpus(environ: Mapping[str, str], missing: dict[str, str], live: bool) -> dict[str, Any]:
+    """Every GPU NVML sees with its nvidia-smi index, torch index and bus id (UUIDs left out)."""
+    if not live:
+        return {"source": "not read (a machine file or capture was given)"}
+    from gpudiag.hw.machine import to_json as machine_json
+    from gpudiag.hw.nvml import NvmlBackend
+    from gpudiag.topology.analysis import analyze
+
+    try:
+        with NvmlBackend(env=dict(environ)) as backend:
+            driver = backend.driver_version()
+            topo = backend.topology()
+    except Exception as exc:
+        missing["gpus"] = f"could not collect: {exc}"
+        return {"source": "NVML unavailable"}
+    report = analyze(topo)
+    return {
+        "source": "NVML",
+        "driver": driver,
+        "count": len(topo.gpus),
+        "devices": [
+            {
+                "nvidia_smi_index": g.index,
+                "torch_index": g.torch_index,
+                "name": g.name,
+                "pci_bus_id": g.pci_bus_id,
+                "memory_total_mib": g.memory_total_mib,
+                "cpu_affinity": g.cpu_affinity,
+                "numa_affinity": g.numa_affinity,
+            }
+            for g in sorted(topo.gpus.values(), key=lambda g: g.index)
+        ],
+        "topology": machine_json(topo, "gpudiag env"),
+        "topology_warnings": [f.message for f in report.warnings],
+    }
+
+
+def _visibility(environ: Mapping[str, str]) -> dict[str, Any]:
+    return {name: environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+
+
+def _variables(environ: Mapping[str, str], redactor: Redactor) -> dict[str, Any]:
+    names = sorted(n for n in environ if n.startswith(VARIABLE_PREFIXES) or n in LAUNCH_VARIABLES)
+    return {name: redactor.env_value(name, environ[name]) for name in names}
+
+
+def _nccl_config(runner: Runner, home: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path in ("/etc/nccl.conf", os.path.join(home or os.path.expanduser("~"), ".nccl.conf")):
+        got = runner.read(path)
+        out[path] = got.text if got.text is not None else f"(none: {got.reason})"
+    return out
+
+
+def _flags() -> dict[str, Any]:
+    """Determinism and TF32 switches as this process sees them (torch's defaults unless the
+    environment changes them: ``CUBLAS_WORKSPACE_CONFIG``, ``NVIDIA_TF32_OVERRIDE``)."""
+    import torch
+
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _iommu(host: HostFacts) -> dict[str, Any]:
+    return {
+        "mode": host.iommu_mode,
+        "units": host.iommu_units,
+        "kernel_cmdline": host.cmdline,
+        "acs_redirect": host.acs_redirect,
+        "kernel_log": host.kernel_lines,
+    }
+
+
+def _security(environ: Mapping[str, str]) -> dict[str, Any]:
+    flagged = flagged_settings(environ)
+    names = ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    out: dict[str, Any] = {name: flagged.get(name) for name in names}
+    if out["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] not in (None, "", "0"):
+        out["warning"] = (
+            "torch.load unpickles arbitrary objects again (weights_only is off): a checkpoint can run code"
+        )
+    return out
+
+
+def _packages() -> dict[str, Any]:
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if PACKAGES.match(name):
+            found[name] = dist.version
+    return dict(sorted(found.items(), key=lambda kv: kv[0].lower()))
+
+
+def _system(run: _TorchCollectEnv) -> dict[str, Any]:
+    import torch.utils.collect_env as ce
+
+    return {
+        "os": ce.get_os(run),
+        "libc": ce.get_libc_version(),
+        "python_platform": ce.get_python_platform(),
+        "gcc": ce.get_gcc_version(run),
+        "cpu": ce.get_cpu_info(run),
+    }
+
+
+def env_lines(document: dict[str, Any]) -> list[str]:
+    """The ``gpudiag.env/1`` document as plain ``key: value`` lines under section titles
+    (shared by the text and Markdown views); long values are indented below their key."""
+    lines: list[str] = []
+    for name, fields in document.get("sections", {}).items():
+        lines.append(f"{name}:")
+        for key, value in fields.items():
+            if isinstance(value, dict) and "matrix" in value and "labels" in value:
+                value = _matrix_text(value)
+            elif isinstance(value, (dict, list)):
+                value = json.dumps(value, separators=(", ", ": "))
+            text = "N/A" if value is None else str(value)
+            if "\n" in text:
+                lines.append(f"  {key}:")
+                lines += [f"    {line}" for line in text.splitlines()]
+            else:
+                lines.append(f"  {key}: {text}")
+    missing = document.get("missing") or {}
+    if missing:
+        lines.append("could not collect:")
+        lines += [f"  {key}: {why}" for key, why in missing.items()]
+    return lines
+
+
+def _matrix_text(machine: dict[str, Any]) -> str:
+    """A machine file's link matrix as ``nvidia-smi topo -m`` lays it out."""
+    labels = machine["labels"]
+    width = max(len(str(x)) for x in [*labels, *(c for row in machine["matrix"] for c in row if c)])
+    rows = ["".ljust(width) + "  " + "  ".join(str(label).ljust(width) for label in labels)]
+    for label, row in zip(labels, machine["matrix"], strict=False):
+        rows.append(str(label).ljust(width) + "  " + "  ".join(str(c or "?").ljust(width) for c in row))
+    return "\n".join(r.rstrip() for r in rows)

@@ -1,0 +1,105 @@
+"""``REPORT.md``: a bundle's summary, ready to paste into a GitHub issue.
+
+A summary line per check, then the findings with their evidence, how to reproduce, the
+topology, and collapsible sections (``<details>``) for the long parts: environment,
+skipped checks, the files of the bundle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from gpudiag.render.markdown import table
+
+STATUS_MARK = {
+    "pass": "✅ pass",
+    "explained": "☑️ explained",
+    "warning": "⚠️ warning",
+    "fail": "❌ fail",
+    "skipped": "⏭️ skipped",
+    "error": "💥 error",
+}
+
+
+def _details(summary: str, body: str) -> str:
+    return f"<details><summary>{summary}</summary>\n\n{body.rstrip()}\n\n</details>\n"
+
+
+def _code(text: str, lang: str = "") -> str:
+    fence = "````" if "```" in text else "```"
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def report_markdown(report: Any) -> str:
+    """The ``REPORT.md`` of a :class:`~gpudiag.repro.report.Report`."""
+    doc = report.to_json()
+    here = doc["here"]
+    out = [
+        "# gpudiag report",
+        "",
+        f"gpudiag {doc['gpudiag']} · torch {doc['torch']} · {doc['created']} · `{' '.join(doc['command'])}`",
+        "",
+        f"Here: {here['cuda_gpus']} CUDA GPU(s); NVML {here['nvml']}"
+        + (
+            f"; virtual devices laid out like `{here['machine']}` ({here['machine_source']})"
+            if here["machine"]
+            else ""
+        )
+        + ".",
+        "",
+        table(
+            ["check", "status", "headline", "time"],
+            [
+                [c.name, STATUS_MARK.get(c.status, c.status), c.headline, f"{c.seconds:.1f} s"]
+                for c in report.checks
+            ],
+        ),
+        "",
+    ]
+    for check in report.checks:
+        if not check.findings and check.status != "fail":
+            continue
+        out += [f"## {check.name} — {check.status}", ""]
+        for f in check.findings:
+            out.append(f"- **`{f.code}`** ({f.severity}) — {f.message}")
+            if f.cause:
+                out.append(f"  - cause: {f.cause}")
+            if f.fix:
+                out.append(f"  - fix: {f.fix}")
+            if f.evidence:
+                out += ["", "  " + _details("evidence", _code(json.dumps(f.evidence), "json"))]
+        out += ["", f"Run it alone: `{check.command}`", ""]
+    if report.failed:
+        names = " ".join(c.name for c in report.failed)
+        out += [
+            "## Reproduce",
+            "",
+            f"`python repro.py` (needs only torch; `python repro.py {report.failed[0].name}` for one "
+            f"check: {names}) exits non-zero while the problem shows. `gpudiag replay BUNDLE` re-runs "
+            "every check with this configuration and compares.",
+            "",
+        ]
+    topology = next((c for c in report.checks if c.name == "topology" and c.report is not None), None)
+    if topology is not None:
+        from gpudiag.render import render
+
+        text = io.StringIO()
+        render("topology", topology.report, "markdown", text)
+        out += [_details("Topology", text.getvalue())]
+    env = doc.get("env")
+    if env:
+        from gpudiag.repro.env import env_lines
+
+        out.append(_details("Environment", _code("\n".join(env_lines(env)))))
+    skipped = [f"- {c.name}: {c.headline}" for c in report.checks if c.status == "skipped"]
+    skipped += [f"- {c.name}: {s}" for c in report.checks for s in c.skipped]
+    if skipped:
+        out.append(_details("Skipped", "\n".join(skipped)))
+    configs = {
+        c.name: {"command": c.command, "config": c.config} for c in report.checks if c.config is not None
+    }
+    out.append(_details("Configuration of each check", _code(json.dumps(configs, indent=2), "json")))
+    out.append(_details("Files in this bundle", "\n".join(f"- `{name}`" for name in report.file_names())))
+    return "\n".join(out).rstrip() + "\n"

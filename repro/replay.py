@@ -1,0 +1,237 @@
+"""``gpudiag replay BUNDLE``: run a bundle's checks here and say what differs.
+
+Each check the reporter ran is run again with its recorded configuration (virtual devices
+laid out like the bundle's ``machine.json`` where the reporter used one). Results match
+when the status and the finding codes are the same and the numbers agree within
+tolerance: gradcheck's per-strategy agreement (and, where both differ, the norm ratio
+within :data:`RATIO_SLACK`), nancheck's status and first bad step per run, peer's wrong
+copies per direction, topology's link per pair. A check that cannot run here is listed
+and left out of the verdict. The two environments' differences are listed too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.checks.suite import CheckRun, Here, run_check
+from gpudiag.repro.report import Bundle
+
+SCHEMA = "gpudiag.replay/1"
+#: Relative slack on gradcheck's norm ratio where both runs differ from single.
+RATIO_SLACK = 0.05
+#: env sections whose differences are worth showing (not compared for the verdict).
+ENV_SECTIONS = ("versions", "visibility", "variables", "flags", "iommu", "packages", "gpus")
+
+
+@dataclass
+class CheckReplay:
+    name: str
+    recorded: CheckRun
+    here: CheckRun | None
+    differences: list[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def compared(self) -> bool:
+        """Whether the results were compared (the environment is listed, not judged)."""
+        return self.name != "env" and self.here is not None and self.here.status != "skipped"
+
+    @property
+    def match(self) -> bool:
+        return not self.compared or not self.differences
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "recorded": {"status": self.recorded.status, "codes": _codes(self.recorded)},
+            "here": None if self.here is None else {"status": self.here.status, "codes": _codes(self.here)},
+            "compared": self.compared,
+            "match": self.match,
+            "differences": self.differences,
+            "note": self.note,
+        }
+
+
+@dataclass
+class ReplayReport:
+    bundle: str
+    checks: list[CheckReplay]
+    environment: list[str]
+
+    @property
+    def match(self) -> bool:
+        return all(c.match for c in self.checks)
+
+    def exit_code(self) -> int:
+        return 0 if self.match else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "bundle": self.bundle,
+            "match": self.match,
+            "checks": [c.to_json() for c in self.checks],
+            "environment_differences": self.environment,
+        }
+
+
+def replay(bundle: Bundle, here: Here | None = None) -> ReplayReport:
+    """Re-run every check the bundle ran (not the ones it skipped) and compare."""
+    if here is None:
+        here = Here.detect()
+        here.machine = bundle.machine()
+        here.machine_source = f"{bundle.path}/machine.json" if here.machine is not None else None
+    replays = []
+    env_here: CheckRun | None = None
+    for recorded in bundle.checks:
+        if recorded.status == "skipped" or recorded.config is None:
+            replays.append(
+                CheckReplay(recorded.name, recorded, None, note="skipped on the reporter's machine")
+            )
+            continue
+        now = run_check(recorded.name, recorded.config, here)
+        if recorded.name == "env":
+            env_here = now
+        item = CheckReplay(recorded.name, recorded, now)
+        if now.status == "skipped":
+            item.note = f"cannot run here: {now.headline}"
+        elif recorded.name != "env":
+            item.differences = compare(recorded, now)
+            item.note = _meaning(recorded.status, now.status, item.differences)
+        replays.append(item)
+    environment = env_differences(bundle.document.get("env"), env_here.result if env_here else None)
+    return ReplayReport(bundle.path, replays, environment)
+
+
+def _codes(run: CheckRun) -> list[str]:
+    return sorted({f.code for f in run.findings if f.severity != "info"})
+
+
+def _meaning(recorded: str, here: str, differences: list[str]) -> str:
+    bad = ("fail", "error")
+    if not differences:
+        return "same result"
+    if recorded in bad and here not in bad:
+        return "fails on the reporter's machine, passes here: hardware-specific (or see the environment)"
+    if here in bad and recorded not in bad:
+        return "passes on the reporter's machine, fails here"
+    return "different result"
+
+
+def compare(recorded: CheckRun, here: CheckRun) -> list[str]:
+    """What differs between the recorded run of a check and this one (empty: they match)."""
+    out = []
+    if recorded.status != here.status:
+        out.append(f"status: {recorded.status} there, {here.status} here")
+    was, now = set(_codes(recorded)), set(_codes(here))
+    if was - now:
+        out.append(f"findings only there: {', '.join(sorted(was - now))}")
+    if now - was:
+        out.append(f"findings only here: {', '.join(sorted(now - was))}")
+    numbers = _NUMBERS.get(recorded.name)
+    if numbers is not None and recorded.result and here.result:
+        out += numbers(recorded.result, here.result)
+    return out
+
+
+def _gradcheck_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    def key(c: dict[str, Any]) -> tuple[str, str, str]:
+        return (c["strategy"], c["mode"], str(sorted(c.get("options", {}).items())))
+
+    out = []
+    theirs = {key(c): c for c in there.get("comparisons", [])}
+    ours = {key(c): c for c in here.get("comparisons", [])}
+    for k in sorted(theirs.keys() | ours.keys()):
+        a, b = theirs.get(k), ours.get(k)
+        label = f"{k[0]} ({k[1]})"
+        if a is None or b is None:
+            out.append(f"{label}: compared {'there' if a else 'here'} only")
+        elif a["ok"] != b["ok"]:
+            out.append(
+                f"{label}: {'agrees' if a['ok'] else 'differs'} there (rel_norm_err {a['rel_norm_err']}), "
+                f"{'agrees' if b['ok'] else 'differs'} here (rel_norm_err {b['rel_norm_err']})"
+            )
+        elif not a["ok"] and not _close(a["norm_ratio"], b["norm_ratio"]):
+            out.append(f"{label}: norm ratio {a['norm_ratio']} there, {b['norm_ratio']} here")
+    return out
+
+
+def _close(a: Any, b: Any) -> bool:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return str(a) == str(b)  # "nan"/"inf" as JSON strings
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return a == b
+    return abs(a - b) <= RATIO_SLACK * max(abs(a), abs(b), 1e-12)
+
+
+def _nancheck_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    def runs(doc: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+        out = {f"GPU {s['device']} alone": (s["status"], s["first_bad_step"]) for s in doc.get("singles", [])}
+        out.update(
+            {f"pair ({p['a']},{p['b']})": (p["status"], p["first_bad_step"]) for p in doc.get("pairs", [])}
+        )
+        return out
+
+    theirs, ours = runs(there), runs(here)
+    return [
+        f"{name}: {theirs.get(name, ('not run', None))[0]} (step {theirs.get(name, ('', None))[1]}) there, "
+        f"{ours.get(name, ('not run', None))[0]} (step {ours.get(name, ('', None))[1]}) here"
+        for name in sorted(theirs.keys() | ours.keys())
+        if theirs.get(name) != ours.get(name)
+    ]
+
+
+def _peer_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    def wrong(doc: dict[str, Any]) -> dict[str, int]:
+        return {
+            f"{p['src']}->{p['dst']}": sum(1 for c in p.get("copies", []) if c.get("wrong"))
+            for p in doc.get("pairs", [])
+        }
+
+    theirs, ours = wrong(there), wrong(here)
+    return [
+        f"{name}: {theirs.get(name, 'not tested')} wrong copies there, {ours.get(name, 'not tested')} here"
+        for name in sorted(theirs.keys() | ours.keys())
+        if theirs.get(name) != ours.get(name)
+    ]
+
+
+def _topology_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    def links(doc: dict[str, Any]) -> dict[str, Any]:
+        return {f"({p['a']},{p['b']})": p["link"] for p in doc.get("pairs", [])}
+
+    theirs, ours = links(there), links(here)
+    return [
+        f"pair {name}: {theirs.get(name)} there, {ours.get(name)} here"
+        for name in sorted(theirs.keys() | ours.keys())
+        if theirs.get(name) != ours.get(name)
+    ]
+
+
+_NUMBERS = {
+    "gradcheck": _gradcheck_numbers,
+    "nancheck": _nancheck_numbers,
+    "peer": _peer_numbers,
+    "topology": _topology_numbers,
+}
+
+
+def env_differences(there: dict[str, Any] | None, here: dict[str, Any] | None) -> list[str]:
+    """``section.field: value there → value here`` for what differs between two env documents."""
+    if not there or not here:
+        return [] if there == here else ["environment: recorded on one side only"]
+    out = []
+    for section in ENV_SECTIONS:
+        a = there.get("sections", {}).get(section, {}) or {}
+        b = here.get("sections", {}).get(section, {}) or {}
+        for name in sorted(a.keys() | b.keys()):
+            if a.get(name) != b.get(name):
+                out.append(f"{section}.{name}: {_short(a.get(name))} there, {_short(b.get(name))} here")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = "unset" if value is None else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
