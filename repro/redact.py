@@ -45,7 +45,10 @@ _TOKENS = re.compile(
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@")
 _GPU_UUID = re.compile(r"\b(GPU|MIG)-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b")
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
-_IPV6 = re.compile(r"(?<![\w:])(?:[0-9a-fA-F]{1,4}:){2,7}[0-9a-fA-F]{1,4}(?![\w:])")
+_IPV6 = re.compile(
+    r"(?<![\w:])(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"
+    r"|(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{0,4}::(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{1,4})(?![\w:])"
+)
 _HOME = re.compile(r"(/home/|/Users/)([^/\s]+)")
 #: Literal values shorter than this are not scrubbed by value (``1``, ``true`` would
 #: take half the report with them); their variable still shows as set.
@@ -130,12 +133,14 @@ class Redactor:
 
     def data(self, value: Any) -> Any:
         """A JSON-like structure with every string (keys included) passed through :meth:`text`;
-        mapping entries whose key names a secret get the marker."""
+        mapping entries whose key is a variable name that names a secret get the marker."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, Mapping):
             return {
-                self.text(str(k)): MARK if isinstance(k, str) and is_secret_name(k) and v else self.data(v)
+                self.text(str(k)): MARK
+                if isinstance(k, str) and k.isidentifier() and is_secret_name(k) and v
+                else self.data(v)
                 for k, v in value.items()
             }
         if isinstance(value, (list, tuple)):

@@ -174,10 +174,14 @@ def _nancheck_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
         )
         return out
 
+    def describe(run: tuple[str, Any] | None) -> str:
+        if run is None:
+            return "not run"
+        return run[0] if run[1] is None else f"{run[0]} (step {run[1]})"
+
     theirs, ours = runs(there), runs(here)
     return [
-        f"{name}: {theirs.get(name, ('not run', None))[0]} (step {theirs.get(name, ('', None))[1]}) there, "
-        f"{ours.get(name, ('not run', None))[0]} (step {ours.get(name, ('', None))[1]}) here"
+        f"{name}: {describe(theirs.get(name))} there, {describe(ours.get(name))} here"
         for name in sorted(theirs.keys() | ours.keys())
         if theirs.get(name) != ours.get(name)
     ]

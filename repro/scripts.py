@@ -57,9 +57,10 @@ def _model(spec: str, input_shape: list[int], num_classes: int, sources: dict[st
         sources["builtin"] = (
             inspect.getsource(models.PassThrough) + "\n\n" + inspect.getsource(models._builtin)
         )
-    elif factory.kind == "file":
+    elif factory.kind == "file":  # carried by name: the reporter's folders stay at home
         target = Path(factory.target).name
         sources[target] = Path(factory.target).read_text()
+        spec = f"{target}:{factory.attr}" + (f"?{spec.partition('?')[2]}" if "?" in spec else "")
     return {
         "spec": spec,
         "kind": factory.kind,

@@ -14,8 +14,10 @@ the reason, and the command goes on. Tests inject canned outputs of real machine
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,17 +39,33 @@ class Runner:
         self.timeout = timeout
 
     def run(self, argv: list[str]) -> Output:
+        """``argv``'s stdout; on timeout the whole process group is killed (a tool that
+        started children — ``sh -c`` pipelines — cannot keep the pipe open past it)."""
+        tool = argv[2].split()[0] if argv[:2] == ["sh", "-c"] and argv[2:] and argv[2].split() else argv[0]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False)
+            proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
         except FileNotFoundError:
-            return Output(None, f"{argv[0]} is not installed")
-        except subprocess.TimeoutExpired:
-            return Output(None, f"{argv[0]} did not answer within {self.timeout:g} s")
+            return Output(None, f"{tool} is not installed")
         except OSError as exc:
-            return Output(None, f"{argv[0]}: {exc.strerror}")
-        if done.returncode != 0 and not done.stdout:
-            return Output(None, f"{argv[0]} failed: {(done.stderr or '').strip()[:120] or done.returncode}")
-        return Output(done.stdout)
+            return Output(None, f"{tool}: {exc.strerror}")
+        try:
+            stdout, stderr = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return Output(None, f"{tool} did not answer within {self.timeout:g} s")
+        if proc.returncode != 0 and not stdout:
+            return Output(None, f"{tool} failed: {(stderr or '').strip()[:120] or proc.returncode}")
+        return Output(stdout)
 
     def read(self, path: str) -> Output:
         try:

@@ -272,6 +272,9 @@ def _log_to(path: str, rank: int, world_size: int, backend: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # Python-level writes too, whatever sys.stdout was replaced by (a test runner's capture).
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives as long as the rank)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     print(
         f"gpudiag rank {rank} of {world_size}: backend {backend}, pid {os.getpid()}, "
         f"NCCL_DEBUG={os.environ.get('NCCL_DEBUG', '')}",

@@ -1,0 +1,384 @@
+"""gpudiag report, replay and doctor: bundles, secrets, repro.py, comparisons, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpudiag.checks.suite import Here, command_line, plan, run_check
+from gpudiag.cli import cli
+from gpudiag.repro.report import read_bundle
+from gpudiag.repro.scripts import repro_script
+from gpudiag.runtime.launch import launch, rank_logs
+
+SEED_CAPTURE = "diag/examples/seed_8gpu_topo.txt"
+FOUR_GPUS = "tests/data/topo/v100_4gpu_nv1_nv2_numa.txt"  # NVLink between some pairs only
+HF = "hf_" + "QwErTyUiOpAsDfGhJkLzXcVbNm123456"
+PASSWORD = "tr0ub4dor-and-3-horses"
+CONF_TOKEN = "ghp_" + "ZYXWVUTSRQponmlkjihgfedcba9876543210"
+NO_GPU = Here(cuda_gpus=0, nvml="no NVML here (test)")
+
+
+def bundle_bytes(path: Path) -> dict[str, bytes]:
+    if path.is_dir():
+        return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    with zipfile.ZipFile(path) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+@pytest.fixture(scope="module")
+def seed_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A report of a 4-GPU machine (virtual devices) with GPU 1 → 0 corrupting data."""
+    out = tmp_path_factory.mktemp("bundles") / "seed"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "report",
+            "--machine",
+            FOUR_GPUS,
+            "--inject",
+            "1->0:nan@1",
+            "--checks",
+            "env,topology,peer,gradcheck,nancheck",
+            "-o",
+            str(out),
+            "--format",
+            "json",
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    return out
+
+
+def test_report_bundle_contents(seed_bundle: Path) -> None:
+    files = bundle_bytes(seed_bundle)
+    assert {"report.json", "REPORT.md", "repro.py", "machine.json"} <= set(files)
+    assert {"traces/gradcheck.json", "traces/nancheck.json"} <= set(files)
+    assert any(name.startswith("logs/gradcheck/launch1-rank1") for name in files)  # ddp ranks' own output
+    doc = json.loads(files["report.json"])
+    assert doc["schema"] == "gpudiag.report/1" and doc["gpudiag"] and doc["torch"]
+    assert doc["env"]["schema"] == "gpudiag.env/1"
+    status = {c["name"]: c["status"] for c in doc["checks"]}
+    assert status == {
+        "env": "pass",
+        "topology": "warning",
+        "peer": "fail",
+        "gradcheck": "fail",
+        "nancheck": "fail",
+    }
+    gradcheck = next(c for c in doc["checks"] if c["name"] == "gradcheck")
+    assert gradcheck["config"]["inject"] == ["1->0:nan@1"] and gradcheck["config"]["seed"] == 0
+    assert gradcheck["result"]["schema"] == "gpudiag.gradcheck/1"
+    assert gradcheck["command"] == (
+        "gpudiag gradcheck --model mlp --input-shape 3,32,32 --num-classes 10 --batch-size 8 --loss ce "
+        "--strategies single,dp,ddp --world-size 2 --steps 1 --lr 0.01 --optimizer sgd --dtype fp32 "
+        "--mode auto --seed 0 --inject '1->0:nan@1'"
+    )
+    nancheck = next(c for c in doc["checks"] if c["name"] == "nancheck")
+    assert [f["code"] for f in nancheck["findings"]] == ["link-corruption"]
+    md = files["REPORT.md"].decode()
+    assert "| nancheck | ❌ fail |" in md and "<details><summary>Environment</summary>" in md
+    assert "python repro.py" in md and "## GPU topology" in md
+    assert json.loads(files["traces/nancheck.json"])["traceEvents"]
+
+
+def test_repro_script_needs_only_torch_and_shows_the_problem(seed_bundle: Path, tmp_path: Path) -> None:
+    script = (seed_bundle / "repro.py").read_text()
+    assert "import gpudiag" not in script and "from gpudiag" not in script
+    assert os.access(seed_bundle / "repro.py", os.X_OK)
+    shutil.copy(seed_bundle / "repro.py", tmp_path / "repro.py")
+    # gpudiag cannot be imported: the script must not need it.
+    blocker = "import sys, runpy; sys.modules['gpudiag'] = None; sys.argv = sys.argv[1:]; "
+    blocker += "runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = subprocess.run(
+        [sys.executable, "-c", blocker, "repro.py", "nancheck", "peer"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "goes non-finite at step 1 on the pair (0, 1)" in done.stdout
+    assert "1->0 (cpu -> cpu): 12 copies, 12 wrong" in done.stdout
+    assert "problem shows: nancheck, peer" in done.stdout
+    # The same script with the fault made harmless (× 1.0) finds nothing: the check can fail.
+    assert script.count("'kind': 'nan'") >= 2
+    (tmp_path / "healthy.py").write_text(script.replace("'kind': 'nan'", "'kind': 'scale'"))
+    done = subprocess.run(
+        [sys.executable, "healthy.py", "nancheck", "peer"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the problem did not show" in done.stdout
+    done = subprocess.run([sys.executable, "repro.py", "nope"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2 and "no check nope" in done.stderr
+
+
+def test_repro_script_gradcheck_with_ddp(tmp_path: Path) -> None:
+    """single vs written-out DataParallel vs spawned DDP over gloo, from a failing gradcheck."""
+    config = {**plan(NO_GPU, ["gradcheck"], inject=("1->0:scale=3@1",))[0][1]}
+    run = run_check("gradcheck", config, NO_GPU)
+    assert run.status == "fail"
+    (tmp_path / "repro.py").write_text(repro_script([run]))
+    done = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    # The script and gpudiag agree strategy by strategy.
+    for comparison in run.result["comparisons"]:
+        verdict = "agrees" if comparison["ok"] else "DIFFERS"
+        assert f"  {comparison['strategy']}: {verdict} with single" in done.stdout, done.stdout
+    assert "ddp: DIFFERS with single" in done.stdout
+
+
+def test_repro_script_carries_a_model_file(tmp_path: Path) -> None:
+    model = tmp_path / "my_model.py"
+    model.write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(12, 3))\n"
+    )
+    config = {**plan(NO_GPU, ["gradcheck"], model=f"{model}:build")[0][1]}
+    config.update(
+        {"input_shape": [3, 2, 2], "num_classes": 3, "strategies": ["single", "dp"], "inject": ["1->0:inf"]}
+    )
+    run = run_check("gradcheck", config, NO_GPU)
+    assert run.status == "fail"
+    text = repro_script([run])
+    assert "nn.Linear(12, 3)" in text and str(tmp_path) not in text
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "repro.py").write_text(text)
+    done = subprocess.run(
+        [sys.executable, "repro.py"], cwd=tmp_path / "elsewhere", capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "dp: DIFFERS with single: non-finite gradient" in done.stdout
+
+
+def test_secrets_never_reach_the_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted in the environment, in ~/.nccl.conf and in a rank's log; none of it may leave."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".nccl.conf").write_text(f"NCCL_IB_HCA=mlx5_0\n# token for the mirror: {CONF_TOKEN}\n")
+    model = tmp_path / "leaky.py"
+    model.write_text(
+        "import os\nfrom torch import nn\n\n"
+        "class Leaky(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))\n\n"
+        "    def forward(self, x):\n"
+        "        print('auth with', os.environ['HF_TOKEN'], os.environ['MY_SERVICE_PASSWORD'], flush=True)\n"
+        "        return self.net(x)\n"
+    )
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HF_TOKEN", HF)
+    monkeypatch.setenv("MY_SERVICE_PASSWORD", PASSWORD)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("TORCH_HUB_URL", "https://deploy:hunter2hunter2@hub.example.com/models")
+    secrets = [HF, PASSWORD, CONF_TOKEN, "0123456789abcdef0123456789abcdef", "hunter2hunter2"]
+    for suffix in ("folder", "bundle.zip"):
+        out = tmp_path / suffix
+        result = CliRunner().invoke(
+            cli,
+            [
+                "report",
+                "--checks",
+                "env,gradcheck",
+                "--model",
+                f"{model}:Leaky",
+                "-o",
+                str(out),
+                "--inject",
+                "1->0:nan",
+            ],
+        )
+        assert result.exit_code == 1, result.output
+        files = bundle_bytes(out)
+        logs = [name for name in files if name.startswith("logs/")]
+        assert logs and any(b"auth with <redacted: set>" in files[name] for name in logs)
+        for name, data in files.items():
+            for secret in secrets:
+                assert secret.encode() not in data, f"{secret} leaked into {name}"
+        if out.suffix == ".zip":
+            raw = out.read_bytes()
+            assert all(s.encode() not in raw for s in secrets)
+        env = json.loads(files["report.json"])["env"]["sections"]
+        assert env["variables"]["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert env["variables"]["TORCH_HUB_URL"] == "https://<redacted>@hub.example.com/models"
+        assert "NCCL_IB_HCA=mlx5_0" in env["nccl_config"][f"{home}/.nccl.conf"]
+
+
+def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None:
+    runner = CliRunner()
+    existing = tmp_path / "old"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    result = runner.invoke(cli, ["report", "--checks", "env", "-o", str(existing)])
+    assert result.exit_code == 2 and "exists; pass --force" in result.output
+    assert (existing / "keep.txt").read_text() == "mine"
+    for args, message in (
+        (["--checks", "env,bogus"], "expected a list of env"),
+        (["--model", "nope-model"], "bad --model"),
+        (["--machine", str(tmp_path / "missing.txt")], "does not exist"),
+        (["-o", str(tmp_path / "no" / "such" / "dir")], "does not exist"),
+        (["--inject", "1-0:nan"], "Invalid value for '--inject'"),
+    ):
+        output = [] if "-o" in args else ["-o", str(tmp_path / "x")]
+        result = runner.invoke(cli, ["report", "--checks", "env", *output, *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written
+    result = runner.invoke(cli, ["report", "--checks", "env", "-o", str(existing), "--force"])
+    assert (
+        result.exit_code == 0 and (existing / "report.json").exists() and not (existing / "keep.txt").exists()
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+def test_replay_matches_its_own_bundle(seed_bundle: Path) -> None:
+    result = CliRunner().invoke(cli, ["replay", str(seed_bundle), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["schema"] == "gpudiag.replay/1" and doc["match"] is True
+    assert {c["name"]: c["compared"] for c in doc["checks"]} == {
+        "env": False,
+        "topology": True,
+        "peer": True,
+        "gradcheck": True,
+        "nancheck": True,
+    }
+
+
+def test_replay_says_what_differs(seed_bundle: Path, tmp_path: Path) -> None:
+    """The reporter's failures were the fault; here the same configuration without it passes."""
+    copy = tmp_path / "copy"
+    shutil.copytree(seed_bundle, copy)
+    doc = json.loads((copy / "report.json").read_text())
+    for check in doc["checks"]:
+        if check["config"] and "inject" in check["config"]:
+            check["config"]["inject"] = []
+    doc["env"]["sections"]["versions"]["torch"] = "1.13.0"
+    (copy / "report.json").write_text(json.dumps(doc))
+    result = CliRunner().invoke(cli, ["replay", str(copy)])
+    assert result.exit_code == 1, result.output
+    assert "replay of" in result.output and "DIFFERS" in result.output
+    assert "fails on the reporter's machine, passes here: hardware-specific" in result.output
+    assert "pair (0,1): diverged (step 1) there, ok here" in result.output
+    assert "versions.torch: 1.13.0 there" in result.output
+
+
+def test_replay_rejects_damaged_and_newer_bundles(seed_bundle: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    cases = {}
+    newer = tmp_path / "newer"
+    shutil.copytree(seed_bundle, newer)
+    doc = json.loads((newer / "report.json").read_text())
+    (newer / "report.json").write_text(json.dumps({**doc, "schema": "gpudiag.report/2"}))
+    cases[newer] = "written by a newer gpudiag"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(seed_bundle, damaged)
+    (damaged / "report.json").write_text('{"schema": "gpudiag.report/1", "checks": [')
+    cases[damaged] = "report.json is damaged"
+    truncated = tmp_path / "bundle.zip"
+    truncated.write_bytes(b"PK\x03\x04 not really a zip")
+    cases[truncated] = "damaged zip"
+    cases[tmp_path / "nothing"] = "does not exist"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases[empty] = "no report.json"
+    for path, message in cases.items():
+        result = runner.invoke(cli, ["replay", str(path)])
+        assert result.exit_code == 2 and message in result.output, (path, result.output)
+
+
+def test_zip_bundle_replays(tmp_path: Path) -> None:
+    out = tmp_path / "r.zip"
+    result = CliRunner().invoke(cli, ["report", "--checks", "env,gradcheck", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    with zipfile.ZipFile(out) as archive:
+        assert {"report.json", "REPORT.md"} <= set(
+            archive.namelist()
+        ) and "repro.py" not in archive.namelist()
+    assert read_bundle(out).document["schema"] == "gpudiag.report/1"
+    result = CliRunner().invoke(cli, ["replay", str(out)])
+    assert result.exit_code == 0, result.output
+
+
+def test_doctor_without_gpus(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "b"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "gpudiag.doctor/1" and doc["bundle"] == str(tmp_path / "b")
+    status = {c["name"]: c["status"] for c in doc["checks"]}
+    assert status == {
+        "env": "pass",
+        "topology": "skipped",
+        "peer": "pass",
+        "gradcheck": "pass",
+        "nancheck": "skipped",
+    }
+    assert all(set(c) >= {"name", "status", "findings"} for c in doc["checks"])
+    peer = next(c for c in doc["checks"] if c["name"] == "peer")
+    assert "fewer than 2 CUDA GPUs" in peer["skipped"][0]
+    text = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "c")])
+    assert text.exit_code == 0
+    assert "gpudiag doctor --machine topo.txt" in text.stdout and "Skipped" in text.stdout
+    assert "[4/5] gradcheck: pass" in text.stderr
+
+
+def test_doctor_on_a_capture_finds_the_broken_link(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli,
+        [
+            "doctor",
+            "--machine",
+            SEED_CAPTURE,
+            "--inject",
+            "5->6:nan@3",
+            "-o",
+            str(tmp_path / "b"),
+            "--checks",
+            "topology,nancheck",
+            "--format",
+            "json",
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["topology"]["status"] == "warning"
+    assert checks["nancheck"]["status"] == "fail"
+    assert checks["nancheck"]["headline"].startswith(
+        "link-corruption: training breaks only on pair(s) (5,6) over NODE"
+    )
+
+
+def test_rank_logs_capture_each_rank(tmp_path: Path) -> None:
+    with rank_logs(tmp_path / "logs") as folder:
+        launch(_print_rank, 2)
+    logs = sorted(p.name for p in folder.iterdir())
+    assert logs == ["launch1-rank0.log", "launch1-rank1.log"]
+    assert "hello from rank 1 of 2" in (folder / "launch1-rank1.log").read_text()
+    assert "backend gloo" in (folder / "launch1-rank0.log").read_text()
+
+
+def _print_rank(rank: int, world: int) -> bytes:
+    print(f"hello from rank {rank} of {world}", flush=True)
+    return b""
+
+
+def test_command_lines_and_plan() -> None:
+    assert command_line("topology", {"machine": "machine.json"}) == "gpudiag topology --machine machine.json"
+    assert command_line("peer", {"machine": None, "pairs": "all", "inject": []}) == "gpudiag peer --pairs all"
+    planned = {name: (config, why) for name, config, why in plan(NO_GPU)}
+    assert planned["topology"][0] is None and "--machine" in planned["topology"][1]
+    assert planned["nancheck"][0] is None and planned["gradcheck"][0]["model"] == "mlp"
