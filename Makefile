@@ -1,11 +1,10 @@
 # gpudiag: two commands from a fresh clone.
-#   make demo   the main job on this machine (falls back to a shipped capture without a GPU)
+#   make demo   gpudiag doctor: every check that applies here, a summary, a report bundle
 #   make test   lint, type checks and the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXAMPLE := diag/examples/seed_8gpu_topo.txt
 TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py
 
 .PHONY: demo test lint typecheck pytest bench clean
@@ -16,9 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	@$(BIN)/gpudiag topology || { status=$$?; [ $$status -eq 3 ] || exit $$status; \
-	  echo; echo "No NVIDIA driver here: showing the example capture $(EXAMPLE) instead."; echo; \
-	  $(BIN)/gpudiag topology --from-file $(EXAMPLE); }
+	$(BIN)/gpudiag doctor --output demo-report --force
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -127,9 +127,10 @@ def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
         "gpu_models": ce.get_gpu_info(run),
         "cuda_module_loading": ce.get_cuda_module_loading_config(),
     }
-    for key in ("cuda_runtime", "nvidia_driver", "gpu_models"):
+    tools = {"cuda_runtime": "nvcc", "nvidia_driver": "nvidia-smi", "gpu_models": "nvidia-smi"}
+    for key, tool in tools.items():
         if out[key] is None:
-            missing.setdefault(f"versions.{key}", "could not collect: nvidia-smi / nvcc not found or failed")
+            missing.setdefault(f"versions.{key}", f"could not collect: {tool} not found or failed")
     return out
 
 
@@ -264,6 +265,8 @@ def env_lines(document: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for name, fields in document.get("sections", {}).items():
         lines.append(f"{name}:")
+        if not fields:
+            lines.append("  (none)")
         for key, value in fields.items():
             if isinstance(value, dict) and "matrix" in value and "labels" in value:
                 value = _matrix_text(value)

@@ -41,7 +41,7 @@ def report_markdown(report: Any) -> str:
         "",
         f"gpudiag {doc['gpudiag']} · torch {doc['torch']} · {doc['created']} · `{' '.join(doc['command'])}`",
         "",
-        f"Here: {here['cuda_gpus']} CUDA GPU(s); NVML {here['nvml']}"
+        f"Here: {here['cuda_gpus']} CUDA GPU(s); NVML {'ok' if here['nvml'] == 'ok' else 'not available'}"
         + (
             f"; virtual devices laid out like `{here['machine']}` ({here['machine_source']})"
             if here["machine"]
@@ -59,10 +59,11 @@ def report_markdown(report: Any) -> str:
         "",
     ]
     for check in report.checks:
-        if not check.findings and check.status != "fail":
+        shown = [f for f in check.findings if f.severity != "info"]  # advice stays in report.json
+        if not shown and check.status != "fail":
             continue
         out += [f"## {check.name} — {check.status}", ""]
-        for f in check.findings:
+        for f in shown:
             out.append(f"- **`{f.code}`** ({f.severity}) — {f.message}")
             if f.cause:
                 out.append(f"  - cause: {f.cause}")
