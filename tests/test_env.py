@@ -185,3 +185,35 @@ def test_env_command_formats(monkeypatch) -> None:
     assert (
         doc["sections"]["versions"]["torch"] and doc["sections"]["variables"]["NCCL_SOCKET_IFNAME"] == "eth0"
     )
+
+
+def test_gpus_section_from_nvml_maps_torch_indices_and_drops_uuids(monkeypatch) -> None:
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", "tests/data/nvml/h100_8gpu_nvswitch.json")
+    environ = {"CUDA_VISIBLE_DEVICES": "3,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    report = collect_env(Commands({}), environ)
+    gpus = report.sections["gpus"]
+    assert gpus["source"] == "NVML" and gpus["count"] == 8
+    torch_of = {d["nvidia_smi_index"]: d["torch_index"] for d in gpus["devices"]}
+    assert torch_of[3] == 0 and torch_of[1] == 1 and torch_of[0] is None
+    assert all(d["pci_bus_id"] for d in gpus["devices"])
+    assert gpus["topology"]["schema"] == "gpudiag.machine/1"
+    assert "GPU-" not in json.dumps(report.to_json()).replace("GPU-<uuid>", "")
+    assert "GPU0" in "\n".join(env_lines(report.to_json()))  # the link matrix, laid out like topo -m
+
+
+def test_report_anonymize_masks_the_host(tmp_path, monkeypatch) -> None:
+    import socket
+
+    host = socket.gethostname()
+    monkeypatch.setenv("MASTER_ADDR", "10.20.30.40")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", f"eth0-{host}")
+    out = tmp_path / "anon"
+    result = CliRunner().invoke(cli, ["report", "--checks", "env", "--anonymize", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    for file in out.rglob("*"):
+        if file.is_file():
+            data = file.read_text()
+            assert "10.20.30.40" not in data, file
+            if len(host) >= 3:
+                assert f"eth0-{host}" not in data, file
+    assert json.loads((out / "report.json").read_text())["anonymized"] is True
