@@ -12,7 +12,9 @@ in fresh processes:
 - the naive script: torch.load, a dict comprehension, torch.save (once: it is slow);
 - `python -c "import torch"` for the memory baseline.
 
-Peak RSS comes from wait4()'s ru_maxrss of each child. Prints the medians and, as its last
+Before each timed command the page cache is written back (``os.sync()``, not timed), so no
+command pays for the previous one's dirty pages (cp leaves 1 GiB of them behind; convert
+fsyncs its own). Peak RSS comes from wait4()'s ru_maxrss of each child. Prints the medians and, as its last
 line, `convert/cp wall ratio: R; peak RSS above import torch MiB: M`
 (targets: R <= 1.5, M <= 128).
 """
@@ -50,7 +52,8 @@ def make_checkpoint(path: Path) -> None:
 
 
 def run(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of a child process."""
+    """(wall seconds, peak RSS MiB) of a child process, started after a write-back."""
+    os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)

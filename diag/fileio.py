@@ -43,7 +43,10 @@ def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Itera
         raise InputError(f"cannot write in {folder}: {exc.strerror}") from exc
     os.close(fd)
     try:
-        with open(tmp, "w+b") as out:  # out.name is the temporary path (for reading back)
+        # "r+b", not "w+b": the file is new and empty, and truncating it would make ext4
+        # flush it on the first close of any descriptor (auto_da_alloc) — a stall in the
+        # middle of a read-back instead of the fsync below, which callers can overlap.
+        with open(tmp, "r+b") as out:  # out.name is the temporary path (for reading back)
             yield out
             out.flush()
             os.fsync(out.fileno())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -465,10 +466,16 @@ def _write_zip(loaded: Loaded, tree: Any, dst: Path, force: bool) -> None:
     with atomic_output(dst, force=force) as out:
         torchzip.rewrite(loaded.archive, pickles.dumps(tree), out)
         out.flush()
-        written = torchzip.open_archive(Path(out.name), str(dst))
-        torchzip.verify_records(loaded.archive, written, str(dst))
-        if _tensor_map(pickles.loads(written.pickle, str(dst))) != expected:
-            raise InputError(f"{dst}: verification failed: the tensors read back differ from the input's")
+        # The data goes to disk (fsync) while it is read back from the page cache and
+        # checked: the two overlap, and atomic_output's own fsync finds nothing left to do.
+        # (fsyncing while copying was tried: it slowed the copy more than it saved.)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            synced = pool.submit(os.fsync, out.fileno())
+            written = torchzip.open_archive(Path(out.name), str(dst))
+            torchzip.verify_records(loaded.archive, written, str(dst))
+            if _tensor_map(pickles.loads(written.pickle, str(dst))) != expected:
+                raise InputError(f"{dst}: verification failed: the tensors read back differ from the input's")
+            synced.result()
 
 
 def _tensor_map(tree: Any) -> dict[str, tuple[Any, ...]]:
