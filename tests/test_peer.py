@@ -145,3 +145,33 @@ def test_parse_sizes() -> None:
     assert parse_sizes("4K,1M,256MiB") == (4096, 1 << 20, 256 << 20)
     with pytest.raises(Exception, match="bad --sizes"):
         parse_sizes("4Q")
+
+
+@pytest.mark.gpu
+def test_bandwidth_direct_and_staged_on_a_gpu() -> None:
+    from gpudiag.checks.peer import bandwidth
+    from gpudiag.runtime import DeviceSet
+
+    result = bandwidth(DeviceSet.cuda([0]), 0, 0, 1 << 24)
+    assert result["bytes"] == 1 << 24 and result["direct_gbs"] > 0 and result["staged_gbs"] > 0
+
+
+@pytest.mark.multi_gpu
+def test_peer_on_two_cuda_gpus() -> None:
+    report = peer(pairs="0-1", sizes=(4096, 1 << 20), runner=Canned({}, {}, {}))
+    assert report.devices == "cuda" and [(p.src, p.dst) for p in report.pairs] == [(0, 1), (1, 0)]
+    for pair in report.pairs:
+        assert isinstance(pair.grant["torch"], bool)
+        assert pair.bandwidth is not None and pair.bandwidth["direct_gbs"] > 0
+        assert len(pair.copies) == 8 and all(c["wrong"] == 0 for c in pair.copies)
+    allreduce = report.pairs[0].allreduce
+    assert allreduce is not None
+    assert allreduce["configured"]["wrong"] == 0 and allreduce["p2p_disabled"]["wrong"] == 0
+    assert report.verdict == "pass"
+
+
+@pytest.mark.multi_gpu
+def test_peer_names_an_injected_fault_on_cuda() -> None:
+    report = peer(pairs="0-1", sizes=(4096,), inject=("1->0:nan",), runner=Canned({}, {}, {}))
+    codes = {f.code for f in report.findings}
+    assert {"p2p-copy-mismatch", "allreduce-wrong-values"} <= codes and report.verdict == "fail"

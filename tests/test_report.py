@@ -382,3 +382,15 @@ def test_command_lines_and_plan() -> None:
     planned = {name: (config, why) for name, config, why in plan(NO_GPU)}
     assert planned["topology"][0] is None and "--machine" in planned["topology"][1]
     assert planned["nancheck"][0] is None and planned["gradcheck"][0]["model"] == "mlp"
+
+
+@pytest.mark.gpu
+def test_doctor_on_a_gpu_machine(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["doctor", "--checks", "env,gradcheck,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["nancheck"]["status"] == "pass" and checks["gradcheck"]["status"] == "pass"
+    env = json.loads((tmp_path / "b" / "report.json").read_text())["env"]["sections"]
+    assert env["versions"]["cuda_available"] is True and env["versions"]["nccl_runtime"]
