@@ -157,19 +157,22 @@ def compare(
 ) -> Comparison:
     """Per-parameter and whole-gradient differences of ``got`` against ``ref``.
 
-    Differences are taken in the gradients' dtype (exact for nearby values), norms are
-    accumulated in float64; the dot product for the cosine is a float32 BLAS dot."""
-    f64 = torch.float64
+    Differences are taken in the gradients' dtype (exact for nearby values); the
+    per-parameter norms are fused ``torch._foreach_norm`` passes (as ``clip_grad_norm_``
+    computes them) and summed in float64; the dot product for the cosine is a BLAS dot."""
+    names = [n for n in order if n in ref.grads and n in got.grads]
+    a_list, b_list = [got.grads[n] for n in names], [ref.grads[n] for n in names]
+    deltas = torch._foreach_abs(torch._foreach_sub(a_list, b_list)) if names else []
+    d_norms = _norms(deltas)
+    b_norms = _norms(b_list)
+    a_norms = _norms(a_list)
     diffs = []
     sq_delta = sq_ref = sq_got = dot = 0.0
     max_abs = max_rel = 0.0
-    for name in (n for n in order if n in ref.grads and n in got.grads):
-        a, b = got.grads[name], ref.grads[name]
-        delta = (a - b).abs_()
-        d_norm = float(torch.linalg.vector_norm(delta, dtype=f64))
-        b_norm = float(torch.linalg.vector_norm(b, dtype=f64))
-        sq_delta, sq_ref = sq_delta + d_norm**2, sq_ref + b_norm**2
-        sq_got += float(torch.linalg.vector_norm(a, dtype=f64)) ** 2
+    for name, a, b, delta, d_norm, b_norm, a_norm in zip(
+        names, a_list, b_list, deltas, d_norms, b_norms, a_norms, strict=True
+    ):
+        sq_delta, sq_ref, sq_got = sq_delta + d_norm**2, sq_ref + b_norm**2, sq_got + a_norm**2
         dot += (
             float(torch.dot(a.flatten(), b.flatten()).double())
             if a.numel() < 2**24
@@ -207,6 +210,18 @@ def compare(
         comparison.update_rel_err = _update_error(got, ref, order)
         comparison.ok = comparison.ok and comparison.update_rel_err <= tol * 10
     return comparison
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[float]:
+    """The 2-norm of each tensor, in one fused pass, as Python floats. A norm that
+    overflows the tensor's dtype (values beyond ~1e19 in fp32) is taken again in float64."""
+    if not tensors:
+        return []
+    norms = torch.stack([n.double() for n in torch._foreach_norm(tensors)]).tolist()
+    return [
+        float(torch.linalg.vector_norm(t, dtype=torch.float64)) if math.isinf(n) else n
+        for t, n in zip(tensors, norms, strict=True)
+    ]
 
 
 def _nan_max(a: float, b: float) -> float:

@@ -110,6 +110,7 @@ def collect_env(
 
 def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
     import torch
+    import torch.backends.xnnpack
     import torch.utils.collect_env as ce
 
     out: dict[str, Any] = {
@@ -126,6 +127,8 @@ def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
         "nccl_runtime": _nccl_runtime(torch),
         "gpu_models": ce.get_gpu_info(run),
         "cuda_module_loading": ce.get_cuda_module_loading_config(),
+        "xnnpack_available": torch.backends.xnnpack.enabled,
+        "caching_allocator_config": ce.get_cachingallocator_config(),
     }
     tools = {"cuda_runtime": "nvcc", "nvidia_driver": "nvidia-smi", "gpu_models": "nvidia-smi"}
     for key, tool in tools.items():
@@ -255,7 +258,10 @@ def _system(run: _TorchCollectEnv) -> dict[str, Any]:
         "libc": ce.get_libc_version(),
         "python_platform": ce.get_python_platform(),
         "gcc": ce.get_gcc_version(run),
+        "clang": ce.get_clang_version(run),
+        "cmake": ce.get_cmake_version(run),
         "cpu": ce.get_cpu_info(run),
+        "conda_packages": ce.get_conda_packages(run),
     }
 
 

@@ -208,3 +208,12 @@ def test_sync_batchnorm_on_cpu_is_skipped_with_the_reason() -> None:
         "only works with DistributedDataParallel" in n for n in notes
     )
     assert "batchnorm-per-replica" in codes(doc)
+
+
+def test_fused_norms_fall_back_to_float64_where_fp32_overflows() -> None:
+    import torch
+
+    from gpudiag.checks.gradcheck import _norms
+
+    assert _norms([torch.full((4,), 1e20), torch.ones(9)]) == [pytest.approx(2e20), 3.0]
+    assert _norms([torch.tensor([float("inf"), 1.0])]) == [float("inf")]
