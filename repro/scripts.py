@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.checks.suite import CheckRun
-from gpudiag.runtime.faults import for_devices, parse_fault
 
 _CHECKS_LINE = "CHECKS: dict[str, Any] = {}"
 _SOURCES_LINE = "MODEL_SOURCES: dict[str, str] = {}"
@@ -41,6 +40,8 @@ def repro_script(failed: list[CheckRun], machine: Any = None) -> str:
 
 
 def _faults(specs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    from gpudiag.runtime.faults import parse_fault
+
     return [
         {"src": f.src, "dst": f.dst, "kind": f.kind, "step": f.step, "count": f.count, "factor": f.factor}
         for f in map(parse_fault, specs)
@@ -101,6 +102,8 @@ def _gradcheck(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
 
 
 def _nancheck(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
+    from gpudiag.runtime.faults import for_devices
+
     config, result = run.config or {}, run.result or {}
     strategy = config.get("strategy", "dp")
     bad = [p for p in result.get("pairs", []) if p["status"] != "ok"]
@@ -130,6 +133,8 @@ def _nancheck(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
 
 
 def _peer(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
+    from gpudiag.runtime.faults import for_devices
+
     config, result = run.config or {}, run.result or {}
     specs = tuple(config.get("inject", ()))
     directions = [

@@ -22,6 +22,10 @@ print("HEAVY=" + ",".join(heavy))
         "import gpudiag.cli, gpudiag.topology, gpudiag.hw, gpudiag.checks, gpudiag.repro",
         "from gpudiag.cli import cli\ntry:\n    cli(['--help'])\nexcept SystemExit:\n    pass",
         "from gpudiag.cli import cli\ntry:\n    cli(['topology', '--help'])\nexcept SystemExit:\n    pass",
+        "import gpudiag.checks.suite, gpudiag.repro.report, gpudiag.repro.replay, gpudiag.repro.env, "
+        "gpudiag.repro.redact, gpudiag.repro.scripts, gpudiag.repro.markdown",
+        "from gpudiag.cli import cli\ntry:\n    cli(['doctor', '--checks', 'env', '--help'])\n"
+        "except SystemExit:\n    pass",
     ],
 )
 def test_no_heavy_imports(code: str) -> None:
