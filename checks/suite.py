@@ -211,6 +211,28 @@ def _machine(config: Mapping[str, Any], here: Here) -> Any:
     return here.machine
 
 
+def _finished(
+    name: str,
+    status: str,
+    config: dict[str, Any],
+    report: Any,
+    fallback: str,
+    skipped: list[str] | None = None,
+) -> CheckRun:
+    """The CheckRun of a check that ran: its report's findings, headline and full document."""
+    findings = list(report.findings)
+    return CheckRun(
+        name,
+        status,
+        _headline(findings, fallback),
+        config,
+        findings,
+        report.to_json(),
+        skipped=skipped or [],
+        report=report,
+    )
+
+
 def _headline(findings: list[Finding], fallback: str) -> str:
     for severity in ("error", "warning"):
         for f in findings:
@@ -223,25 +245,11 @@ def _env(config: dict[str, Any], here: Here) -> CheckRun:
     from gpudiag.repro.env import collect_env
 
     report = collect_env(live_topology=here.machine is None)
-    warning = report.sections.get("security", {}).get("warning")
-    findings = []
-    if warning:
-        findings.append(
-            Finding("weights-only-load-off", "warning", warning, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "set"})
-        )
     versions = report.sections.get("versions", {})
     summary = f"torch {versions.get('torch')}, CUDA {versions.get('cuda_runtime') or 'none'}"
     summary += f", NCCL {versions.get('nccl_runtime') or 'none'}"
     summary += f"; {len(report.missing)} item(s) could not be collected"
-    return CheckRun(
-        "env",
-        "warning" if findings else "pass",
-        _headline(findings, summary),
-        config,
-        findings,
-        report.to_json(),
-        report=report,
-    )
+    return _finished("env", "warning" if report.findings else "pass", config, report, summary)
 
 
 def _topology(config: dict[str, Any], here: Here) -> CheckRun:
@@ -250,12 +258,8 @@ def _topology(config: dict[str, Any], here: Here) -> CheckRun:
 
     topo = _machine(config, here) if config.get("machine") else read_topology()
     report = analyze(topo)
-    findings = list(report.findings)
     fallback = f"{len(topo.gpu_labels)} GPU(s) from {topo.source}; {len(report.pairs)} pair(s), no warnings"
-    status = "warning" if report.warnings else "pass"
-    return CheckRun(
-        "topology", status, _headline(findings, fallback), config, findings, report.to_json(), report=report
-    )
+    return _finished("topology", "warning" if report.warnings else "pass", config, report, fallback)
 
 
 def _peer(config: dict[str, Any], here: Here) -> CheckRun:
@@ -274,16 +278,7 @@ def _peer(config: dict[str, Any], here: Here) -> CheckRun:
     fallback = f"{len(report.pairs)} direction(s) verified on {report.devices} devices"
     if not report.pairs:
         fallback = "host probes only"
-    return CheckRun(
-        "peer",
-        status,
-        _headline(report.findings, fallback),
-        config,
-        report.findings,
-        report.to_json(),
-        skipped=list(report.skipped),
-        report=report,
-    )
+    return _finished("peer", status, config, report, fallback, list(report.skipped))
 
 
 def _gradcheck(config: dict[str, Any], here: Here) -> CheckRun:
@@ -301,16 +296,7 @@ def _gradcheck(config: dict[str, Any], here: Here) -> CheckRun:
             f.code for f in report.findings if f.severity == "warning"
         )
     skipped = [f.message for f in report.findings if f.code == "syncbn-skipped"]
-    return CheckRun(
-        "gradcheck",
-        report.verdict,
-        _headline(report.findings, fallback),
-        config,
-        report.findings,
-        report.to_json(),
-        skipped=skipped,
-        report=report,
-    )
+    return _finished("gradcheck", report.verdict, config, report, fallback, skipped)
 
 
 def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
@@ -325,15 +311,7 @@ def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
     report = nancheck_spec(machine=machine, **options)
     report.config["machine"] = config.get("machine")
     fallback = f"{len(report.singles)} GPU(s) alone and {len(report.pairs)} pair(s) train without NaN"
-    return CheckRun(
-        "nancheck",
-        report.verdict,
-        _headline(report.findings, fallback),
-        config,
-        report.findings,
-        report.to_json(),
-        report=report,
-    )
+    return _finished("nancheck", report.verdict, config, report, fallback)
 
 
 def _warns(findings: list[Finding]) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag import __version__
+from gpudiag.findings import Finding
 from gpudiag.hw.host import HostFacts, Runner
 from gpudiag.hw.host import collect as collect_host
 from gpudiag.repro.redact import Redactor, flagged_settings
@@ -50,6 +51,16 @@ class EnvReport:
     sections: dict[str, dict[str, Any]]
     missing: dict[str, str] = field(default_factory=dict)
     host: HostFacts | None = None  # raw probes, for peer's conclusions
+
+    @property
+    def findings(self) -> list[Finding]:
+        """``weights-only-load-off`` when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set."""
+        warning = self.sections.get("security", {}).get("warning")
+        if not warning:
+            return []
+        return [
+            Finding("weights-only-load-off", "warning", warning, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "set"})
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "sections": self.sections, "missing": self.missing}

@@ -166,7 +166,18 @@ def _close(a: Any, b: Any) -> bool:
     return abs(a - b) <= RATIO_SLACK * max(abs(a), abs(b), 1e-12)
 
 
+def _differing(theirs: dict[str, Any], ours: dict[str, Any], describe: Any) -> list[str]:
+    """``name: <there> there, <here> here`` for each name whose value differs."""
+    return [
+        f"{name}: {describe(theirs.get(name))} there, {describe(ours.get(name))} here"
+        for name in sorted(theirs.keys() | ours.keys())
+        if theirs.get(name) != ours.get(name)
+    ]
+
+
 def _nancheck_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """Each run's status and first bad step."""
+
     def runs(doc: dict[str, Any]) -> dict[str, tuple[str, Any]]:
         out = {f"GPU {s['device']} alone": (s["status"], s["first_bad_step"]) for s in doc.get("singles", [])}
         out.update(
@@ -179,39 +190,31 @@ def _nancheck_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
             return "not run"
         return run[0] if run[1] is None else f"{run[0]} (step {run[1]})"
 
-    theirs, ours = runs(there), runs(here)
-    return [
-        f"{name}: {describe(theirs.get(name))} there, {describe(ours.get(name))} here"
-        for name in sorted(theirs.keys() | ours.keys())
-        if theirs.get(name) != ours.get(name)
-    ]
+    return _differing(runs(there), runs(here), describe)
 
 
 def _peer_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """The number of wrong copies per direction."""
+
     def wrong(doc: dict[str, Any]) -> dict[str, int]:
         return {
             f"{p['src']}->{p['dst']}": sum(1 for c in p.get("copies", []) if c.get("wrong"))
             for p in doc.get("pairs", [])
         }
 
-    theirs, ours = wrong(there), wrong(here)
-    return [
-        f"{name}: {theirs.get(name, 'not tested')} wrong copies there, {ours.get(name, 'not tested')} here"
-        for name in sorted(theirs.keys() | ours.keys())
-        if theirs.get(name) != ours.get(name)
-    ]
+    def describe(count: int | None) -> str:
+        return "not tested" if count is None else f"{count} wrong copies"
+
+    return _differing(wrong(there), wrong(here), describe)
 
 
 def _topology_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    def links(doc: dict[str, Any]) -> dict[str, Any]:
-        return {f"({p['a']},{p['b']})": p["link"] for p in doc.get("pairs", [])}
+    """The link of each GPU pair."""
 
-    theirs, ours = links(there), links(here)
-    return [
-        f"pair {name}: {theirs.get(name)} there, {ours.get(name)} here"
-        for name in sorted(theirs.keys() | ours.keys())
-        if theirs.get(name) != ours.get(name)
-    ]
+    def links(doc: dict[str, Any]) -> dict[str, Any]:
+        return {f"pair ({p['a']},{p['b']})": p["link"] for p in doc.get("pairs", [])}
+
+    return _differing(links(there), links(here), str)
 
 
 _NUMBERS = {

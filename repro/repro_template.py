@@ -213,27 +213,37 @@ def train_local(
     """``single`` or ``dp`` for ``cfg["steps"]`` steps on GPUs ``ids``."""
     inputs, targets = make_batch(cfg)
     model = seeded_model(cfg).to(device(cfg, ids[0]))
-    optimizer = make_optimizer(cfg, model)
     plan = Faults(faults)
     link = Link(cfg, ids, plan)
-    result: dict[str, Any] = {"losses": [], "grads": None}
+    x = inputs.to(device(cfg, ids[0]))
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:
+        return model(batch) if strategy == "single" else dp_forward(model, batch, link)
+
+    return train_steps(cfg, model, forward, (x, targets), plan, ids[0])
+
+
+def train_steps(
+    cfg: dict[str, Any], model: nn.Module, forward: Any, batch: tuple[Any, Any], plan: Faults, index: int
+) -> dict[str, Any]:
+    """``cfg["steps"]`` optimizer steps; the losses, the first step's gradients, the step
+    whose gradients first went non-finite, and the final parameters."""
+    optimizer = make_optimizer(cfg, model)
+    x, y = batch
+    result: dict[str, Any] = {"losses": [], "grads": None, "first_nonfinite_grad": None}
     for step in range(1, cfg["steps"] + 1):
         plan.step = step
         model.zero_grad(set_to_none=True)
-        x = inputs.to(device(cfg, ids[0]))
-        with autocast(cfg, ids[0]):
-            output = model(x) if strategy == "single" else dp_forward(model, x, link)
-        loss = loss_fn(cfg["loss"], output, targets)
+        with autocast(cfg, index):
+            output = forward(x)
+        loss = loss_fn(cfg["loss"], output, y)
         loss.backward()
         result["losses"].append(float(loss.detach()))
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         if step == 1:
-            result["grads"] = {
-                n: p.grad.detach().float().cpu().clone()
-                for n, p in model.named_parameters()
-                if p.grad is not None
-            }
-        grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
-        if not grads_ok and result.get("first_nonfinite_grad") is None:
+            result["grads"] = {n: g.detach().float().cpu().clone() for n, g in grads.items()}
+        finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+        if not finite and result["first_nonfinite_grad"] is None:
             result["first_nonfinite_grad"] = step
         optimizer.step()
     result["params"] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
@@ -293,28 +303,8 @@ def _ddp_rank(
 
     if faults:
         ddp.register_comm_hook(None, allreduce)
-    optimizer = make_optimizer(cfg, model)
-    x, y = inputs.chunk(world)[rank].to(dev), targets.chunk(world)[rank]
-    result: dict[str, Any] = {"losses": [], "grads": None}
-    for step in range(1, cfg["steps"] + 1):
-        plan.step = step
-        model.zero_grad(set_to_none=True)
-        with autocast(cfg, ids[rank]):
-            output = ddp(x)
-        loss = loss_fn(cfg["loss"], output, y)
-        loss.backward()
-        result["losses"].append(float(loss.detach()))
-        if step == 1:
-            result["grads"] = {
-                n: p.grad.detach().float().cpu().clone()
-                for n, p in model.named_parameters()
-                if p.grad is not None
-            }
-        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
-        if not finite and result.get("first_nonfinite_grad") is None:
-            result["first_nonfinite_grad"] = step
-        optimizer.step()
-    result["params"] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    batch = (inputs.chunk(world)[rank].to(dev), targets.chunk(world)[rank])
+    result = train_steps(cfg, model, ddp, batch, plan, ids[rank])
     torch.save(result, os.path.join(folder, f"rank{rank}.pt"))  # a file: tensors from a queue vanish
     dist.barrier()
     dist.destroy_process_group()

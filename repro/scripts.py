@@ -76,24 +76,32 @@ def _observed(run: CheckRun) -> str:
     return f"{errors[0].code}: {errors[0].message}" if errors else run.headline
 
 
-def _gradcheck(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
-    config, result = run.config or {}, run.result or {}
-    unused = any(c.get("options", {}).get("find_unused_parameters") for c in result.get("comparisons", []))
+def _training(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
+    """What every training check's script needs: the model, the batch, the steps."""
+    config = run.config or {}
     return {
         "observed": _observed(run),
         "model": _model(config["model"], config["input_shape"], config["num_classes"], sources),
         "input_shape": list(config["input_shape"]),
         "num_classes": config["num_classes"],
         "batch_size": config["batch_size"],
+        "steps": config["steps"],
+        "lr": config["lr"],
+        "seed": config["seed"],
+    }
+
+
+def _gradcheck(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
+    config, result = run.config or {}, run.result or {}
+    unused = any(c.get("options", {}).get("find_unused_parameters") for c in result.get("comparisons", []))
+    return {
+        **_training(run, sources),
         "loss": config["loss"],
         "strategies": list(config["strategies"]),
         "world_size": config["world_size"],
-        "steps": config["steps"],
-        "lr": config["lr"],
         "optimizer": config["optimizer"],
         "dtype": config["dtype"],
         "mode": "controlled" if config.get("mode") == "controlled" else "as-is",
-        "seed": config["seed"],
         "devices": result.get("config", {}).get("devices", {}).get("kind", "virtual"),
         "tolerance": result.get("tolerance", {}).get("rel_norm_err", 1.3e-5),
         "find_unused_parameters": unused,
@@ -109,16 +117,9 @@ def _nancheck(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
     bad = [p for p in result.get("pairs", []) if p["status"] != "ok"]
     specs = tuple(config.get("inject", ()))
     return {
-        "observed": _observed(run),
-        "model": _model(config["model"], config["input_shape"], config["num_classes"], sources),
-        "input_shape": list(config["input_shape"]),
-        "num_classes": config["num_classes"],
-        "batch_size": config["batch_size"],
+        **_training(run, sources),
         "loss": "ce",
-        "steps": config["steps"],
-        "lr": config["lr"],
         "optimizer": "sgd",
-        "seed": config["seed"],
         "strategy": strategy,
         "devices": "virtual" if config.get("machine") else "cuda",
         "pairs": [
