@@ -7,7 +7,8 @@ For each ordered GPU pair (src → dst):
 - one-way copies verified at the destination: a known pattern (``arange mod 251``) of each
   size and dtype is copied src → dst and compared there with the pattern computed on dst
   (a round trip, as simpleP2P does, cannot see a write that lands in the wrong place). The
-  first copy this process makes is ``cold`` (first-copy bugs), the repeat ``warm``;
+  first copies over each direction in this process — each size and dtype once, before any
+  other — are ``cold`` (lazily enabled peer access, first-copy bugs), the repeat ``warm``;
 - bandwidth (CUDA only): the direct copy against one staged through host memory — direct
   slower than staged is the signature of an ACS/IOMMU redirect;
 - a two-rank all-reduce with exact expected values (sums of small integers, exact in fp32)
@@ -239,8 +240,8 @@ def peer(
                     grant["torch"] = bool(torch.cuda.can_device_access_peer(src, dst))
                 link = devices.link(src, dst)
                 result = PairResult(src, dst, link, grant)
-                for dtype in DTYPES:
-                    for phase in ("cold", "warm"):
+                for phase in ("cold", "warm"):  # cold: the first copies over src → dst here
+                    for dtype in DTYPES:
                         for size in sizes:
                             result.copies.append(copy_check(transport, src, dst, size, dtype, phase))
                 if devices.kind == "cuda":
