@@ -98,9 +98,11 @@ def report_markdown(report: Any) -> str:
     skipped += [f"- {c.name}: {s}" for c in report.checks for s in c.skipped]
     if skipped:
         out.append(_details("Skipped", "\n".join(skipped)))
-    configs = {
-        c.name: {"command": c.command, "config": c.config} for c in report.checks if c.config is not None
-    }
-    out.append(_details("Configuration of each check", _code(json.dumps(configs, indent=2), "json")))
+    configs = [
+        f"- {c.name}: `{c.command}`\n\n  ```json\n  {json.dumps(c.config)}\n  ```"
+        for c in report.checks
+        if c.config is not None
+    ]
+    out.append(_details("Configuration of each check", "\n".join(configs)))
     out.append(_details("Files in this bundle", "\n".join(f"- `{name}`" for name in report.file_names())))
     return "\n".join(out).rstrip() + "\n"
