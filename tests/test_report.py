@@ -109,6 +109,18 @@ def test_repro_script_needs_only_torch_and_shows_the_problem(seed_bundle: Path, 
     assert "goes non-finite at step 1 on the pair (0, 1)" in done.stdout
     assert "1->0 (cpu -> cpu): 12 copies, 12 wrong" in done.stdout
     assert "problem shows: nancheck, peer" in done.stdout
+    # The script trains exactly what gpudiag trained: the same losses, step by step.
+    nancheck = next(
+        c for c in json.loads((seed_bundle / "report.json").read_text())["checks"] if c["name"] == "nancheck"
+    )
+    pair = next(p for p in nancheck["result"]["pairs"] if (p["a"], p["b"]) == (0, 1))
+    alone = next(s for s in nancheck["result"]["singles"] if s["device"] == 0)
+
+    def printed(losses: list[float | str]) -> str:
+        return "[" + ", ".join(f"{float(x):.4g}" for x in losses) + "]"
+
+    assert f"GPU 0 alone (cpu): losses {printed(alone['losses'])}" in done.stdout
+    assert f"(dp): losses {printed(pair['losses'])}" in done.stdout
     # The same script with the fault made harmless (× 1.0) finds nothing: the check can fail.
     assert script.count("'kind': 'nan'") >= 2
     (tmp_path / "healthy.py").write_text(script.replace("'kind': 'nan'", "'kind': 'scale'"))
