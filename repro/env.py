@@ -124,23 +124,30 @@ def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
     import torch.backends.xnnpack
     import torch.utils.collect_env as ce
 
-    out: dict[str, Any] = {
-        "gpudiag": __version__,
-        "python": f"{platform.python_version()} ({sys.maxsize.bit_length() + 1}-bit)",
-        "torch": torch.__version__,
-        "torch_debug_build": torch.version.debug,
-        "cuda_used_to_build_torch": torch.version.cuda,
-        "hip_used_to_build_torch": torch.version.hip,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_runtime": ce.get_running_cuda_version(run),
-        "nvidia_driver": ce.get_nvidia_driver_version(run),
-        "cudnn": _cudnn(torch, ce, run),
-        "nccl_runtime": _nccl_runtime(torch),
-        "gpu_models": ce.get_gpu_info(run),
-        "cuda_module_loading": ce.get_cuda_module_loading_config(),
-        "xnnpack_available": torch.backends.xnnpack.enabled,
-        "caching_allocator_config": ce.get_cachingallocator_config(),
+    fields: dict[str, Callable[[], Any]] = {
+        "gpudiag": lambda: __version__,
+        "python": lambda: f"{platform.python_version()} ({sys.maxsize.bit_length() + 1}-bit)",
+        "torch": lambda: torch.__version__,
+        "torch_debug_build": lambda: torch.version.debug,
+        "cuda_used_to_build_torch": lambda: torch.version.cuda,
+        "hip_used_to_build_torch": lambda: torch.version.hip,
+        "cuda_available": torch.cuda.is_available,
+        "cuda_runtime": lambda: ce.get_running_cuda_version(run),
+        "nvidia_driver": lambda: ce.get_nvidia_driver_version(run),
+        "cudnn": lambda: _cudnn(torch, ce, run),
+        "nccl_runtime": lambda: _nccl_runtime(torch),
+        "gpu_models": lambda: ce.get_gpu_info(run),
+        "cuda_module_loading": ce.get_cuda_module_loading_config,
+        "xnnpack_available": lambda: torch.backends.xnnpack.enabled,
+        "caching_allocator_config": ce.get_cachingallocator_config,
     }
+    out: dict[str, Any] = {}
+    for key, read in fields.items():  # one field that cannot be read leaves the others
+        try:
+            out[key] = read()
+        except Exception as exc:
+            out[key] = None
+            missing[f"versions.{key}"] = f"could not collect: {type(exc).__name__}: {exc}"
     tools = {"cuda_runtime": "nvcc", "nvidia_driver": "nvidia-smi", "gpu_models": "nvidia-smi"}
     for key, tool in tools.items():
         if out[key] is None:

@@ -217,3 +217,19 @@ def test_report_anonymize_masks_the_host(tmp_path, monkeypatch) -> None:
             if len(host) >= 3:
                 assert f"eth0-{host}" not in data, file
     assert json.loads((out / "report.json").read_text())["anonymized"] is True
+
+
+def test_one_unreadable_version_field_leaves_the_others(monkeypatch) -> None:
+    import torch
+
+    def broken() -> bool:
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    report = collect_env(Commands({}), {}, live_topology=False)
+    versions = report.sections["versions"]
+    assert versions["cuda_available"] is None and versions["torch"] == torch.__version__
+    assert (
+        report.missing["versions.cuda_available"]
+        == "could not collect: RuntimeError: CUDA driver initialization failed"
+    )
