@@ -145,6 +145,23 @@ def test_launch_returns_bytes_in_rank_order() -> None:
     assert launch(_rank_bytes, 3, timeout=30) == [b"0:6", b"1:6", b"2:6"]
 
 
+def test_ranks_are_not_forked_beside_another_thread() -> None:
+    """fork() beside a running thread can leave the child a lock that is never released."""
+    import threading
+
+    from gpudiag.runtime.launch import start_method
+
+    assert start_method("gloo") == "fork"
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        assert start_method("gloo") == "forkserver"
+    finally:
+        stop.set()
+        worker.join()
+
+
 def test_two_runs_at_once_do_not_collide() -> None:
     code = (
         "from gpudiag.runtime.launch import launch\n"

@@ -92,10 +92,14 @@ def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
 
 
 def start_method(backend: str) -> str:
-    """``fork`` for CPU ranks when this process holds no CUDA context, else forkserver."""
+    """``fork`` for CPU ranks when this process holds no CUDA context and runs no other
+    thread, else forkserver. (A child forked while another thread is inside torch can
+    inherit a lock held forever: measured, the ranks hung until their deadline.)"""
+    import threading
+
     import torch
 
-    if backend == "gloo" and not torch.cuda.is_initialized():
+    if backend == "gloo" and not torch.cuda.is_initialized() and threading.active_count() == 1:
         return "fork"
     return "forkserver"
 
