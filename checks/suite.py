@@ -112,6 +112,13 @@ class Here:
     machine: Any = None  # a Topology
     machine_source: str | None = None
 
+    @property
+    def gpus(self) -> list[int]:
+        """The GPU numbers the checks run on: the machine file's, else torch's CUDA devices."""
+        if self.machine is not None:
+            return sorted(info.index for info in self.machine.gpus.values())
+        return list(range(self.cuda_gpus))
+
     @classmethod
     def detect(cls, machine: str | None = None) -> Here:
         """Look, without failing: torch's device count, one NVML call, the machine file."""
@@ -147,9 +154,11 @@ def plan(
     *,
     model: str | None = None,
     inject: tuple[str, ...] = (),
+    pairs: str = "all",
 ) -> list[tuple[str, dict[str, Any] | None, str]]:
     """``(check, config, why skipped)`` for each wanted check (default: all); config None
-    means it cannot run here and ``why`` says why and what would make it run."""
+    means it cannot run here and ``why`` says why and what would make it run. ``pairs``
+    limits peer and nancheck to some GPU pairs (``0-1,5-6``)."""
     virtual = here.machine is not None
     out: list[tuple[str, dict[str, Any] | None, str]] = []
     for name in names or CHECKS:
@@ -165,7 +174,7 @@ def plan(
             else:
                 why = "NVML is not available here; diagnose a machine from its capture: --machine topo.txt"
         elif name == "peer":
-            config = {"machine": MACHINE_FILE if virtual else None, "pairs": "all", "inject": list(inject)}
+            config = {"machine": MACHINE_FILE if virtual else None, "pairs": pairs, "inject": list(inject)}
         elif name == "gradcheck":
             config = {**DEFAULT_GRADCHECK, "inject": list(inject)}
             if model:
@@ -173,7 +182,7 @@ def plan(
         elif name == "nancheck":
             if virtual or here.cuda_gpus >= 1:
                 config = {**DEFAULT_NANCHECK, "machine": MACHINE_FILE if virtual else None}
-                config["inject"] = list(inject)
+                config.update({"inject": list(inject), "pairs": pairs})
                 if model:
                     config["model"] = model
             else:

@@ -414,6 +414,13 @@ def suite_options(command: Any) -> Any:
         ),
         click.option("--model", metavar="SPEC", help="Model for gradcheck and nancheck (default: mlp)."),
         click.option(
+            "--pairs",
+            default="all",
+            show_default=True,
+            metavar="all|A-B,…",
+            help="GPU pairs for peer and nancheck (all pairs can take long on many GPUs).",
+        ),
+        click.option(
             "--inject",
             multiple=True,
             metavar="SPEC",
@@ -457,12 +464,17 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     if options["model"]:
         resolve_model(options["model"])
     here = Here.detect(options["machine"])
+    if options["pairs"] != "all" and here.gpus:  # without GPUs no check uses pairs
+        from gpudiag.checks.nancheck import parse_pairs
+
+        parse_pairs(options["pairs"], here.gpus)
     names = options["checks"] or CHECKS
     report = run_report(
         here,
         names,
         model=options["model"],
         inject=tuple(options["inject"]),
+        pairs=options["pairs"],
         anonymize=options["anonymize"],
         progress=_progress(len(names)),
         argv=["gpudiag", *sys.argv[1:]],

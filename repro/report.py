@@ -118,6 +118,7 @@ def run_report(
     *,
     model: str | None = None,
     inject: tuple[str, ...] = (),
+    pairs: str = "all",
     anonymize: bool = False,
     progress: Progress | None = None,
     argv: list[str] | None = None,
@@ -128,7 +129,7 @@ def run_report(
     runs: list[CheckRun] = []
     files: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="gpudiag-report-") as scratch:
-        for name, config, why in plan(here, names, model=model, inject=inject):
+        for name, config, why in plan(here, names, model=model, inject=inject, pairs=pairs):
             if progress is not None:
                 progress(name, "start", None)
             with rank_logs(Path(scratch) / name) as logs:

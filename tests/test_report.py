@@ -406,3 +406,16 @@ def test_doctor_on_a_gpu_machine(tmp_path: Path) -> None:
     assert checks["nancheck"]["status"] == "pass" and checks["gradcheck"]["status"] == "pass"
     env = json.loads((tmp_path / "b" / "report.json").read_text())["env"]["sections"]
     assert env["versions"]["cuda_available"] is True and env["versions"]["nccl_runtime"]
+
+
+def test_pairs_limit_peer_and_nancheck(tmp_path: Path) -> None:
+    args = ["doctor", "--machine", SEED_CAPTURE, "--checks", "peer,nancheck", "--format", "json"]
+    result = CliRunner().invoke(cli, [*args, "--pairs", "5-6", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "b" / "report.json").read_text())
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert [(p["src"], p["dst"]) for p in checks["peer"]["result"]["pairs"]] == [(5, 6), (6, 5)]
+    assert [(p["a"], p["b"]) for p in checks["nancheck"]["result"]["pairs"]] == [(5, 6)]
+    assert "--pairs 5-6" in checks["nancheck"]["command"]
+    result = CliRunner().invoke(cli, [*args, "--pairs", "5-9", "-o", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "no GPU 9 here" in result.output and not (tmp_path / "c").exists()
