@@ -419,3 +419,16 @@ def test_pairs_limit_peer_and_nancheck(tmp_path: Path) -> None:
     assert "--pairs 5-6" in checks["nancheck"]["command"]
     result = CliRunner().invoke(cli, [*args, "--pairs", "5-9", "-o", str(tmp_path / "c")])
     assert result.exit_code == 2 and "no GPU 9 here" in result.output and not (tmp_path / "c").exists()
+
+
+def test_doctor_reads_the_topology_from_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", "tests/data/nvml/a100_4gpu_fabric_down.json")
+    result = CliRunner().invoke(
+        cli, ["doctor", "--checks", "topology,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["topology"]["status"] == "warning"
+    assert "nvswitch-without-nvlink" in {f["code"] for f in checks["topology"]["findings"]}
+    assert checks["nancheck"]["status"] == "skipped"  # NVML sees GPUs, torch has no CUDA here
+    assert json.loads((tmp_path / "b" / "report.json").read_text())["here"]["nvml"] == "ok"
