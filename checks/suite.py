@@ -132,20 +132,10 @@ class Here:
             nvml = None
         except GpudiagError as exc:
             nvml = str(exc)
-        topology = load_machine_or_capture(machine) if machine else None
+        from gpudiag.topology.sources import read_machine_or_capture
+
+        topology = read_machine_or_capture(machine) if machine else None
         return cls(torch.cuda.device_count(), nvml, topology, machine)
-
-
-def load_machine_or_capture(path: str) -> Any:
-    """A machine file (JSON, as ``--save-machine`` writes) or an ``nvidia-smi topo -m`` capture."""
-    from gpudiag.hw.machine import load_machine
-    from gpudiag.topology.capture import parse_capture
-    from gpudiag.topology.sources import read_text_file
-
-    text, name = read_text_file(path)
-    if text.lstrip().startswith("{"):
-        return load_machine(path)
-    return parse_capture(text, name)
 
 
 def plan(
@@ -331,16 +321,11 @@ _RUNNERS = {"env": _env, "topology": _topology, "peer": _peer, "gradcheck": _gra
 
 
 def command_line(name: str, config: Mapping[str, Any] | None) -> str:
-    """The equivalent ``gpudiag`` command (machine files as the bundle's ``machine.json``)."""
-    config = config or {}
+    """The equivalent ``gpudiag`` command: each config key is the option of the same name
+    (``machine`` → ``--machine machine.json``, the bundle's copy); ``source`` is not an option."""
     argv = ["gpudiag", name]
-    if name == "topology" and config.get("machine"):
-        argv += ["--machine", str(config["machine"])]
-    for key, value in config.items():
-        if name == "topology" or key == "source" or value is None or value == [] or value is False:
-            continue
-        if key == "machine" and name in ("peer", "nancheck"):
-            argv += ["--machine", str(value)]
+    for key, value in (config or {}).items():
+        if key == "source" or value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")
         if key == "inject":

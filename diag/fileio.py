@@ -25,18 +25,26 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool
     return Path(path)
 
 
+def check_target(path: str | os.PathLike[str], *, force: bool, folder: bool = False) -> Path:
+    """``path`` if gpudiag may write it: a file (or with ``folder`` a folder) that does not
+    exist yet, or exists and ``force`` allows replacing, in a folder that exists."""
+    target = Path(path)
+    if target.exists():
+        if target.is_dir() != folder:
+            raise InputError(f"{target} is a folder" if target.is_dir() else f"{target} exists and is a file")
+        if not force:
+            raise InputError(f"{target} exists; pass --force to overwrite it")
+    if not target.parent.is_dir():  # Path("x").parent is Path(".")
+        raise InputError(f"folder {target.parent} does not exist")
+    return target
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[BinaryIO]:
     """A binary file to write ``path`` through: a temporary file in the same folder that
     is fsynced and renamed over ``path`` when the block ends, and removed if it fails."""
-    target = Path(path)
-    if target.is_dir():
-        raise InputError(f"{target} is a folder")
-    if target.exists() and not force:
-        raise InputError(f"{target} exists; pass --force to overwrite it")
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputError(f"folder {folder} does not exist")
+    target = check_target(path, force=force)
+    folder = target.parent
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:

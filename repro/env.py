@@ -108,7 +108,7 @@ def collect_env(
     section("gpus", lambda: _gpus(environ, missing, live_topology))
     section("visibility", lambda: _visibility(environ))
     section("variables", lambda: _variables(environ, redactor))
-    section("nccl_config", lambda: _nccl_config(runner, home))
+    section("nccl_config", lambda: dict(host.nccl_files))
     section("flags", _flags)
     section("iommu", lambda: _iommu(host))
     section("security", lambda: _security(environ))
@@ -213,14 +213,6 @@ def _visibility(environ: Mapping[str, str]) -> dict[str, Any]:
 def _variables(environ: Mapping[str, str], redactor: Redactor) -> dict[str, Any]:
     names = sorted(n for n in environ if n.startswith(VARIABLE_PREFIXES) or n in LAUNCH_VARIABLES)
     return {name: redactor.env_value(name, environ[name]) for name in names}
-
-
-def _nccl_config(runner: Runner, home: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path in ("/etc/nccl.conf", os.path.join(home or os.path.expanduser("~"), ".nccl.conf")):
-        got = runner.read(path)
-        out[path] = got.text if got.text is not None else f"(none: {got.reason})"
-    return out
 
 
 def _flags() -> dict[str, Any]:

@@ -11,7 +11,7 @@ import io
 import json
 from typing import Any
 
-from gpudiag.render.markdown import table
+from gpudiag.render.markdown import finding_lines, table
 
 STATUS_MARK = {
     "pass": "✅ pass",
@@ -64,11 +64,7 @@ def report_markdown(report: Any) -> str:
             continue
         out += [f"## {check.name} — {check.status}", ""]
         for f in shown:
-            out.append(f"- **`{f.code}`** ({f.severity}) — {f.message}")
-            if f.cause:
-                out.append(f"  - cause: {f.cause}")
-            if f.fix:
-                out.append(f"  - fix: {f.fix}")
+            out += finding_lines(f, severity=True)
             if f.evidence:
                 out += ["", "  " + _details("evidence", _code(json.dumps(f.evidence), "json"))]
         out += ["", f"Run it alone: `{check.command}`", ""]

@@ -34,6 +34,7 @@ from typing import Any
 from gpudiag import __version__
 from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, plan, run_check
 from gpudiag.errors import InputError
+from gpudiag.fileio import check_target
 from gpudiag.repro.redact import Redactor
 
 SCHEMA = "gpudiag.report/1"
@@ -164,7 +165,7 @@ def bundle_files(report: Report) -> dict[str, bytes]:
     files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}
     files["REPORT.md"] = report_markdown(report).encode()
     if report.failed:
-        files["repro.py"] = repro_script(report.failed, report.here.machine).encode()
+        files["repro.py"] = repro_script(report.failed).encode()
     if report.here.machine is not None:
         document = machine_json(report.here.machine, f"the machine of {report.here.machine_source}")
         files[MACHINE_FILE] = (json.dumps(document, indent=1) + "\n").encode()
@@ -174,16 +175,8 @@ def bundle_files(report: Report) -> dict[str, bytes]:
 
 def check_destination(path: str | os.PathLike[str], force: bool) -> Path:
     """Refuse a bundle path that exists (unless ``force``) or whose folder does not:
-    before any check runs, not after."""
-    target = Path(path)
-    if target.exists() and not force:
-        raise InputError(f"{target} exists; pass --force to replace it")
-    if target.exists() and target.is_dir() != (target.suffix != ".zip"):
-        raise InputError(f"{target} exists and is {'a folder' if target.is_dir() else 'a file'}")
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"folder {parent} does not exist")
-    return target
+    before any check runs, not after. A ``.zip`` path is a file, any other a folder."""
+    return check_target(path, force=force, folder=Path(path).suffix != ".zip")
 
 
 def write_bundle(
@@ -199,7 +192,7 @@ def write_bundle(
             for name, data in sorted(files.items()):
                 archive.writestr(_zip_info(name, name == "repro.py"), data)
         return target
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or "."))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         for name, data in files.items():
             dest = staging / name
@@ -209,7 +202,7 @@ def write_bundle(
                 dest.chmod(0o755)
         staging.chmod(0o755)
         if target.exists():  # force: move the old bundle aside only once the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent or "."))
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
             os.replace(target, old / "bundle")
             os.replace(staging, target)
             shutil.rmtree(old, ignore_errors=True)

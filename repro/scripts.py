@@ -19,7 +19,7 @@ _CHECKS_LINE = "CHECKS: dict[str, Any] = {}"
 _SOURCES_LINE = "MODEL_SOURCES: dict[str, str] = {}"
 
 
-def repro_script(failed: list[CheckRun], machine: Any = None) -> str:
+def repro_script(failed: list[CheckRun]) -> str:
     """The text of ``repro.py`` for the failing checks (gradcheck, nancheck, peer)."""
     from gpudiag.repro import repro_template
 

@@ -92,6 +92,7 @@ class HostFacts:
     kernel_lines: list[str] = field(default_factory=list)
     acs_redirect: list[str] = field(default_factory=list)
     nccl: dict[str, str] = field(default_factory=dict)
+    nccl_files: dict[str, str] = field(default_factory=dict)  # path → text, or "(none: why)"
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -144,6 +145,7 @@ def collect(
     facts.nccl = {k: v for k, v in env.items() if k.startswith("NCCL_")}
     for path in ("/etc/nccl.conf", os.path.join(home or os.path.expanduser("~"), ".nccl.conf")):
         conf = runner.read(path)
+        facts.nccl_files[path] = conf.text if conf.text is not None else f"(none: {conf.reason})"
         for line in (conf.text or "").splitlines():
             match = _NCCL_LINE.match(line)
             if match and match.group(1) not in facts.nccl:

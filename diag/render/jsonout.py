@@ -17,32 +17,12 @@ def write(document: dict[str, Any], stream: TextIO) -> None:
     stream.write("\n")
 
 
-def topology(report: Any, stream: TextIO) -> None:
-    write(report.to_json(), stream)
-
-
-def gradcheck(report: Any, stream: TextIO) -> None:
-    write(report.to_json(), stream)
-
-
-def nancheck(report: Any, stream: TextIO) -> None:
-    write(report.to_json(), stream)
-
-
-def ckpt_inspect(result: Any, stream: TextIO) -> None:
+def document(result: Any, stream: TextIO) -> None:
+    """Most kinds: the result's own ``to_json()``."""
     write(result.to_json(), stream)
 
 
-def ckpt_convert(result: Any, stream: TextIO) -> None:
-    write(result.to_json(), stream)
-
-
-def peer(report: Any, stream: TextIO) -> None:
-    write(report.to_json(), stream)
-
-
-def env(report: Any, stream: TextIO) -> None:
-    write(report.to_json(), stream)
+topology = gradcheck = nancheck = ckpt_inspect = ckpt_convert = peer = env = replay = document
 
 
 def report(report: Any, stream: TextIO) -> None:
@@ -51,7 +31,3 @@ def report(report: Any, stream: TextIO) -> None:
 
 def doctor(report: Any, stream: TextIO) -> None:
     write(report.doctor_json(), stream)
-
-
-def replay(report: Any, stream: TextIO) -> None:
-    write(report.to_json(), stream)

@@ -17,16 +17,22 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def finding_lines(f: Any, severity: bool = False) -> list[str]:
+    """One finding as a list item with its cause and fix (and its severity, if asked)."""
+    lines = [f"- **`{f.code}`**" + (f" ({f.severity})" if severity else "") + f" — {f.message}"]
+    if f.cause:
+        lines.append(f"  - cause: {f.cause}")
+    if f.fix:
+        lines.append(f"  - fix: {f.fix}")
+    return lines
+
+
 def findings(items: list[Any], title: str) -> str:
     if not items:
         return ""
     lines = [f"### {title}", ""]
     for f in items:
-        lines.append(f"- **`{f.code}`** — {f.message}")
-        if f.cause:
-            lines.append(f"  - cause: {f.cause}")
-        if f.fix:
-            lines.append(f"  - fix: {f.fix}")
+        lines += finding_lines(f)
     return "\n".join(lines) + "\n\n"
 
 

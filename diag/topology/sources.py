@@ -48,3 +48,12 @@ def read_topology(from_file: str | None = None, machine: str | None = None) -> T
         return load_machine(machine)
     with NvmlBackend() as backend:
         return backend.topology()
+
+
+def read_machine_or_capture(path: str) -> Topology:
+    """A machine file (JSON, as ``--save-machine`` writes) or an ``nvidia-smi topo -m``
+    capture, told apart by content (``--machine`` of ``report`` and ``doctor``)."""
+    text, name = read_text_file(path)
+    if text.lstrip().startswith("{"):
+        return load_machine(path)
+    return parse_capture(text, name)
