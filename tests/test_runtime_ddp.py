@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -145,6 +146,38 @@ def test_launch_returns_bytes_in_rank_order() -> None:
     assert launch(_rank_bytes, 3, timeout=30) == [b"0:6", b"1:6", b"2:6"]
 
 
+def _rank_tensors(rank: int, world: int) -> list[bytes | memoryview]:
+    from gpudiag.runtime.run import pack
+
+    return pack(
+        {
+            "rank": rank,
+            "grads": {"w": torch.arange(6.0).reshape(2, 3) + rank, "b": torch.tensor([True, False])},
+            "half": torch.tensor(1.5, dtype=torch.bfloat16),  # 0-dim, 2-byte elements
+            "empty": torch.empty(0, 4, dtype=torch.int64),
+            "losses": [0.5, float("nan"), float("inf")],
+        }
+    )
+
+
+def test_packed_tensors_come_back_from_every_rank_bit_for_bit() -> None:
+    from gpudiag.runtime.run import unpack
+
+    for rank, data in enumerate(launch(_rank_tensors, 2, timeout=30)):
+        got = unpack(data)
+        assert got["rank"] == rank
+        assert torch.equal(got["grads"]["w"], torch.arange(6.0).reshape(2, 3) + rank)
+        assert got["grads"]["b"].tolist() == [True, False]
+        assert got["half"].dtype == torch.bfloat16 and got["half"].shape == () and got["half"].item() == 1.5
+        assert got["empty"].shape == (0, 4) and got["empty"].dtype == torch.int64
+        assert got["losses"][0] == 0.5 and math.isnan(got["losses"][1]) and got["losses"][2] == math.inf
+        # The tensors are views of the one buffer the result was read into, not copies:
+        # consecutive ones sit 64 bytes apart (w has 24 bytes, then padding).
+        assert got["grads"]["b"].data_ptr() - got["grads"]["w"].data_ptr() == 64
+    # Read-only bytes are accepted too (copied once).
+    assert unpack(b"".join(_rank_tensors(1, 2)))["grads"]["w"][0, 0].item() == 1.0
+
+
 def test_ranks_are_not_forked_beside_another_thread() -> None:
     """fork() beside a running thread can leave the child a lock that is never released."""
     import threading
@@ -166,7 +199,7 @@ def test_two_runs_at_once_do_not_collide() -> None:
     code = (
         "from gpudiag.runtime.launch import launch\n"
         "from tests.test_runtime_ddp import _rank_bytes\n"
-        "print(launch(_rank_bytes, 2, timeout=60))\n"
+        "print([bytes(r) for r in launch(_rank_bytes, 2, timeout=60)])\n"
     )
     procs = [
         subprocess.Popen(

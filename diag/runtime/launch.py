@@ -1,15 +1,17 @@
 """Start ranks bounded and reaped, or join a group that ``torchrun`` started.
 
-``launch(fn, world_size, ...)`` runs ``fn(rank, world_size, *args) -> bytes`` once per
-rank inside an initialised ``torch.distributed`` process group and returns the bytes of
-every rank, rank order.
+``launch(fn, world_size, ...)`` runs ``fn(rank, world_size, *args)`` once per rank inside
+an initialised ``torch.distributed`` process group and returns the bytes of every rank,
+rank order. ``fn`` returns bytes, or a list of byte chunks to be joined (written one
+after the other, without copying them first: see :func:`gpudiag.runtime.run.pack`).
 
 - Local launch: one process per rank. ``fork`` when the parent holds no CUDA context
   (no fresh interpreter, no second torch import: ranks start in milliseconds);
   ``forkserver`` with torch preloaded otherwise. The rendezvous is a FileStore in a private
   temporary folder, so no port is chosen and concurrent runs cannot collide; gloo/nccl
   pick free ephemeral ports for their own connections.
-- Results come back as files the ranks write (bytes), never as shared-memory tensors.
+- Results come back as files the ranks write (read back as one ``bytearray`` per rank),
+  never as shared-memory tensors.
 - Every wait has a deadline. A rank that raises → :class:`RankFailure` ``rank-crashed``
   with its traceback; no answer by the deadline → ``rank-hung``. Either way every rank
   process is terminated and reaped before the error is raised.
@@ -33,14 +35,15 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import EXIT_PROBLEM, GpudiagError
 from gpudiag.findings import Finding
 
-RankFn = Callable[..., bytes]
+Payload = bytes | Sequence[bytes | memoryview]
+RankFn = Callable[..., Payload]
 _POLL_S = 0.02
 _GRACE_S = 2.0
 _SETTLE_S = 0.3
@@ -112,7 +115,7 @@ def launch(
     timeout: float = 120.0,
     args: tuple[Any, ...] = (),
     method: str | None = None,
-) -> list[bytes]:
+) -> list[bytearray]:
     """Run ``fn(rank, world_size, *args)`` on every rank; the bytes each returned.
 
     ``method`` forces a start method (``fork``, ``forkserver``, ``spawn``; default: the
@@ -145,8 +148,8 @@ def launch(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[bytes]:
-    done: dict[int, bytes] = {}
+def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[bytearray]:
+    done: dict[int, bytearray] = {}
     while len(done) < len(procs):
         for rank, proc in enumerate(procs):
             if rank in done:
@@ -156,7 +159,7 @@ def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> li
                 raise _first_crash(folder, len(procs))
             result = folder / f"rank{rank}.out"
             if result.exists():
-                done[rank] = result.read_bytes()
+                done[rank] = _read(result)
             elif proc.exitcode is not None:
                 if error.exists():
                     continue  # written between the two checks; read on the next pass
@@ -295,13 +298,25 @@ def _leave_group(dist: Any) -> None:
         dist.destroy_process_group()
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: Payload) -> None:
+    """Write the payload (bytes or chunks) under a temporary name, then rename it, so the
+    parent never reads half a result."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as out:
+        for chunk in [data] if isinstance(data, bytes) else data:
+            out.write(chunk)  # large chunks go straight to write(2), uncopied
     os.replace(tmp, path)
 
 
-def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ...]) -> list[bytes]:
+def _read(path: Path) -> bytearray:
+    """A rank's result as a writable buffer, so tensors can be views of it."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    return data
+
+
+def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ...]) -> list[bytearray]:
     import torch.distributed as dist
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -311,8 +326,8 @@ def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ..
     try:
         payload = fn(rank, world_size, *args)
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, payload)
-        return [bytes(g) for g in gathered]
+        dist.all_gather_object(gathered, payload if isinstance(payload, bytes) else b"".join(payload))
+        return [bytearray(g) for g in gathered]
     finally:
         if created:
             _leave_group(dist)

@@ -329,19 +329,38 @@ def digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def pack(obj: Any) -> bytes:
-    """Plain data with tensors in it → bytes, without pickle: the tensors go into a
-    safetensors blob, everything else into JSON with a reference in each tensor's place.
-    Layout: 8-byte little-endian JSON length, the JSON, the safetensors bytes."""
-    from safetensors.torch import save
+_ALIGN = 64  # every tensor's bytes start at a multiple of this (torch.frombuffer needs alignment)
 
-    tensors: dict[str, torch.Tensor] = {}
+
+def pack(obj: Any) -> list[bytes | memoryview]:
+    """Plain data with tensors in it → the chunks of one byte string, without pickle and
+    without copying the tensors: everything but the tensors goes into a JSON header that
+    records each tensor's dtype, shape and offset; the tensors' own memory follows.
+    Layout: 8-byte little-endian header length, the header (padded), then each tensor's
+    bytes, each starting at a multiple of 64. Write the chunks in order (a file's
+    ``write`` takes them without copying); read them back with :func:`unpack`."""
+    chunks: list[bytes | memoryview] = []
+    specs: list[dict[str, Any]] = []
+    offset = 0
 
     def encode(value: Any) -> Any:
+        nonlocal offset
         if isinstance(value, torch.Tensor):
-            key = str(len(tensors))
-            tensors[key] = value.detach().cpu().contiguous()
-            return {"__tensor__": key}
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            raw = memoryview(flat.view(torch.uint8).numpy())
+            pad = -offset % _ALIGN
+            if pad:
+                chunks.append(bytes(pad))
+            specs.append(
+                {
+                    "dtype": str(flat.dtype).removeprefix("torch."),
+                    "shape": list(value.shape),
+                    "at": offset + pad,
+                }
+            )
+            chunks.append(raw)
+            offset += pad + raw.nbytes
+            return {"__tensor__": len(specs) - 1}
         if isinstance(value, dict):
             return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
         if isinstance(value, (list, tuple)):
@@ -350,17 +369,31 @@ def pack(obj: Any) -> bytes:
             return {"__float__": repr(value)}
         return value
 
-    meta = json.dumps(encode(obj)).encode()
-    return len(meta).to_bytes(8, "little") + meta + save(tensors)
+    tree = encode(obj)
+    header = json.dumps({"tensors": specs, "value": tree}).encode()
+    header += b" " * (-(8 + len(header)) % _ALIGN)
+    return [len(header).to_bytes(8, "little"), header, *chunks]
 
 
-def unpack(data: bytes) -> Any:
-    """The inverse of :func:`pack`."""
-    from safetensors.torch import load
-
+def unpack(data: bytes | bytearray | memoryview) -> Any:
+    """The inverse of :func:`pack`, from the concatenated chunks. With a writable buffer
+    (a ``bytearray``) the tensors are views of it, no copy; read-only data is copied once."""
+    if not isinstance(data, bytearray):
+        data = bytearray(data)
     size = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8 : 8 + size])
-    tensors = load(data[8 + size :])
+    header = json.loads(data[8 : 8 + size])
+    base = 8 + size
+    tensors = []
+    for spec in header["tensors"]:
+        dtype = getattr(torch, spec["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"packed data names an unknown dtype {spec['dtype']!r}")
+        count = math.prod(spec["shape"])
+        if count == 0:
+            tensors.append(torch.empty(spec["shape"], dtype=dtype))
+        else:
+            flat = torch.frombuffer(data, dtype=dtype, count=count, offset=base + spec["at"])
+            tensors.append(flat.view(spec["shape"]))
 
     def decode(value: Any) -> Any:
         if isinstance(value, dict):
@@ -373,7 +406,7 @@ def unpack(data: bytes) -> Any:
             return [decode(v) for v in value]
         return value
 
-    return decode(meta)
+    return decode(header["value"])
 
 
 def recorder_to_data(recorder: Recorder) -> dict[str, Any]:
