@@ -33,6 +33,7 @@ from torch import nn
 from gpudiag.findings import Finding
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
+from gpudiag.runtime.ddp import start_ddp
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import DTYPES, ModelFn
 
@@ -363,19 +364,84 @@ def _superseded(c: Comparison, comparisons: list[Comparison]) -> bool:
 
 
 def _run_all(
-    factory: ModelFn, inputs: Any, targets: torch.Tensor, base: RunConfig, strategies: list[str]
+    factories: dict[str, ModelFn], inputs: Any, targets: torch.Tensor, base: RunConfig, strategies: list[str]
+) -> dict[str, _Run]:
+    """Run single and every strategy for each mode's factory (``{"as-is": f}``, or as-is
+    and controlled together when auto mode will almost surely need both).
+
+    DDP's ranks start first, with the run of every mode in one launch, and the
+    in-process strategies run while they work, on one thread so the ranks keep the
+    others (on this 2-core machine the six runs of resnet18 went from about 1.2 s one
+    after the other to the figure in docs/gradcheck.md). If that launch fails, the
+    first mode's DDP run is repeated alone, so a failure is pinned on the right run,
+    and the other modes are dropped (run again later if they are needed)."""
+    runs = {mode: _Run({}, {}) for mode in factories}
+    local = ["single", *[s for s in strategies if s not in ("single", "ddp")]]
+    ddp_config = replace(base, strategy="ddp", track_params=base.steps > 1)
+    started = (
+        start_ddp([(f, ddp_config) for f in factories.values()], inputs, targets)
+        if "ddp" in strategies
+        else contextlib.nullcontext()
+    )
+    failure: RankFailure | None = None
+    with started as ddp, _threads(None if ddp is None else 1):
+        for mode, factory in factories.items():
+            for strategy in local:
+                runs[mode].results[strategy] = run(factory, inputs, targets, replace(base, strategy=strategy))
+        if ddp is not None:
+            try:
+                for mode, result in zip(factories, ddp.results(), strict=True):
+                    runs[mode].results["ddp"] = result
+            except RankFailure as exc:
+                failure = exc
+    if failure is not None:  # (the failed ranks are reaped by now)
+        first = next(iter(factories))
+        runs = {first: runs[first]}
+        if len(factories) > 1:  # which run failed? the first one alone tells
+            try:
+                runs[first].results["ddp"] = run(factories[first], inputs, targets, ddp_config)
+                failure = None
+            except RankFailure as again:
+                failure = again
+        if failure is not None:
+            runs[first].failures["ddp"] = failure
+    return runs
+
+
+def _controlled(
+    runs: dict[str, _Run],
+    outcome: _Run,
+    model_factory: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    base: RunConfig,
+    wanted: list[str],
 ) -> _Run:
-    """Run single and every strategy, one after the other. (Starting DDP's ranks first
-    and running the in-process strategies beside them measured no faster on 2 cores.)"""
-    results: dict[str, RunResult] = {}
-    failures: dict[str, RankFailure] = {}
-    for strategy in ["single", *[s for s in strategies if s != "single"]]:
-        config = replace(base, strategy=strategy, track_params=strategy == "ddp" and base.steps > 1)
-        try:
-            results[strategy] = run(factory, inputs, targets, config)
-        except RankFailure as failure:
-            failures[strategy] = failure
-    return _Run(results, failures)
+    """The controlled-mode runs: those made beside the as-is ones, unless the as-is DDP
+    run needed an option (find_unused_parameters) they lacked; then run them again with it."""
+    options = outcome.options.get("ddp", {})
+    if "controlled" in runs and not options:
+        return runs["controlled"]
+    again = _run_all(
+        {"controlled": Controlled(model_factory)}, inputs, targets, replace(base, **options), wanted
+    )
+    controlled = again["controlled"]
+    if options and "ddp" in controlled.results:
+        controlled.options["ddp"] = dict(options)
+    return controlled
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (None: unchanged)."""
+    saved = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if count is not None:
+            torch.set_num_threads(saved)
 
 
 def gradcheck(
@@ -433,10 +499,16 @@ def gradcheck(
     with comparison_settings() as settings:
         first_mode = "controlled" if mode == "controlled" else "as-is"
         factory = Controlled(model_factory) if first_mode == "controlled" else model_factory
-        outcome = _run_all(factory, inputs, targets, base, wanted)
+        factories: dict[str, ModelFn] = {first_mode: factory}
+        if mode == "auto" and _train_mode_causes(traits) and wanted:
+            # BatchNorm in train mode or active dropout: the as-is runs will almost surely
+            # differ and need the controlled rerun, so run both modes together.
+            factories["controlled"] = Controlled(model_factory)
+        runs = _run_all(factories, inputs, targets, base, wanted)
+        outcome = runs[first_mode]
         recorders = _recorders(outcome, first_mode)
         findings += _notes(outcome)
-        findings += _failures(outcome, factory, inputs, targets, base)
+        findings += _failures(outcome, factory, inputs, targets, base, first_mode)
         comparisons = _compare_all(outcome, first_mode, world, tol, traits.order)
         findings += _nonfinite(outcome, traits.order)
         unused = _unused_params(outcome, traits.order)
@@ -464,8 +536,11 @@ def gradcheck(
         if unexplained and not _has_errors(findings):
             causes = _train_mode_causes(traits) if first_mode == "as-is" else []
             if causes and mode == "auto":
-                controlled = _run_all(Controlled(model_factory), inputs, targets, base, wanted)
+                controlled = _controlled(runs, outcome, model_factory, inputs, targets, base, wanted)
                 recorders.update(_recorders(controlled, "controlled"))
+                findings += _failures(
+                    controlled, Controlled(model_factory), inputs, targets, base, "controlled"
+                )
                 again = _compare_all(controlled, "controlled", world, tol, traits.order)
                 comparisons += again
                 if all(c.ok for c in again) and not controlled.failures:
@@ -611,8 +686,10 @@ def _notes(outcome: _Run) -> list[Finding]:
 
 
 def _failures(
-    outcome: _Run, factory: ModelFn, inputs: Any, targets: torch.Tensor, base: RunConfig
+    outcome: _Run, factory: ModelFn, inputs: Any, targets: torch.Tensor, base: RunConfig, mode: str
 ) -> list[Finding]:
+    """A finding per failed run of ``mode``; a DDP failure that asks for
+    find_unused_parameters is retried with it (and becomes a warning if that works)."""
     out = []
     for strategy, failure in list(outcome.failures.items()):
         if failure.code == "rank-crashed" and any(s in failure.detail for s in _UNUSED_ERROR):
@@ -637,7 +714,14 @@ def _failures(
             except RankFailure as again:
                 failure = again
                 outcome.failures[strategy] = again
-        out.append(failure.to_finding())
+        finding = failure.to_finding()
+        out.append(
+            replace(
+                finding,
+                message=f"{strategy} ({mode}): {finding.message}",
+                evidence={**finding.evidence, "strategy": strategy, "mode": mode},
+            )
+        )
     return out
 
 

@@ -55,6 +55,33 @@ class Unused(nn.Module):
         return self.used(x)
 
 
+class CrashesWhenControlled(nn.Module):
+    """BatchNorm; raises on rank 1 only when the BatchNorm runs on running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.environ.get("RANK") == "1" and not self.bn.training:
+            raise RuntimeError("boom in controlled mode")
+        return self.head(self.bn(self.fc(x)))
+
+
+class UnusedWithBatchNorm(nn.Module):
+    """BatchNorm and a branch that never runs: both explanations are needed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        self.unused = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 class DictInput(nn.Module):
     """Takes nested inputs: a tuple (dict, list) and a keyword tensor."""
 

@@ -57,6 +57,49 @@ def test_batchnorm_is_explained_and_confirmed_in_controlled_mode() -> None:
     assert doc["comparisons"][0]["first_bad_param"] == "0.weight"
 
 
+def test_auto_mode_starts_one_ddp_launch_for_as_is_and_controlled(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpudiag.checks.gradcheck as module
+
+    launches: list[int] = []
+    real = module.start_ddp
+
+    def counting(jobs, *args):  # type: ignore[no-untyped-def]
+        launches.append(len(jobs))
+        return real(jobs, *args)
+
+    monkeypatch.setattr(module, "start_ddp", counting)
+    code, doc = gradcheck("--model", "cnn-bn", *SMALL)
+    assert code == 0 and codes(doc) == ["batchnorm-per-replica"]
+    assert launches == [2]  # both modes' DDP runs, one start and one rendezvous
+    launches.clear()
+    gradcheck("--model", "mlp", *SMALL)  # nothing to control: as-is only
+    assert launches == [1]
+
+
+def test_a_crash_in_the_controlled_ddp_run_is_pinned_on_it() -> None:
+    code, doc = gradcheck(
+        "--model", "tests/models.py:CrashesWhenControlled", "--input-shape", "8", "--num-classes", "4"
+    )
+    assert code == 1 and doc["verdict"] == "fail"
+    (finding,) = [f for f in doc["findings"] if f["code"] == "rank-crashed"]
+    assert finding["evidence"]["mode"] == "controlled" and finding["evidence"]["strategy"] == "ddp"
+    assert "boom in controlled mode" in finding["evidence"]["detail"]
+    modes = {(c["strategy"], c["mode"]) for c in doc["comparisons"]}
+    assert ("ddp", "as-is") in modes and ("ddp", "controlled") not in modes
+
+
+def test_batchnorm_and_an_unused_parameter_are_both_explained() -> None:
+    code, doc = gradcheck(
+        "--model", "tests/models.py:UnusedWithBatchNorm", "--input-shape", "8", "--num-classes", "4"
+    )
+    assert code == 0 and doc["verdict"] == "explained", doc["findings"]
+    assert sorted(codes(doc)) == ["batchnorm-per-replica", "unused-parameters"]
+    controlled = [c for c in doc["comparisons"] if c["mode"] == "controlled" and c["strategy"] == "ddp"]
+    assert controlled and all(
+        c["ok"] and c["options"] == {"find_unused_parameters": True} for c in controlled
+    )
+
+
 def test_strict_turns_explained_into_exit_1() -> None:
     code, doc = gradcheck("--model", "cnn-bn", *SMALL, "--strict")
     assert code == 1 and doc["verdict"] == "explained"

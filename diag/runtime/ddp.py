@@ -15,6 +15,7 @@ with torch's default hook: the runtime adds nothing.
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from gpudiag.errors import InputError
 from gpudiag.runtime.faults import FaultPlan, corrupt
-from gpudiag.runtime.launch import launch
+from gpudiag.runtime.launch import Ranks, start
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.run import (
     ModelFn,
@@ -114,36 +115,72 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 
 def run_ddp(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
     """Launch one process per device of ``config.devices`` and run DDP steps."""
-    world = len(config.devices)
+    with start_ddp([(model_fn, config)], inputs, targets) as runs:
+        return runs.results()[0]
+
+
+def start_ddp(jobs: Sequence[tuple[ModelFn, RunConfig]], inputs: Any, targets: torch.Tensor) -> "DdpRuns":
+    """Start the ranks for one or more DDP runs on the same devices and return at once;
+    the runs happen one after another in one process group (one start, one rendezvous).
+    Use the result as a context manager and call ``results()`` inside it."""
+    configs = [config for _, config in jobs]
+    devices = configs[0].devices
+    if any(c.devices != devices for c in configs):
+        raise ValueError("DDP runs started together must use the same devices")
+    world = len(devices)
     shards = len(targets.chunk(world))
     if shards < world:
         raise InputError(f"a batch of {len(targets)} gives {shards} shard(s) for {world} DDP ranks")
-    gloo = config.devices.kind == "virtual"
+    for config in configs:
+        FaultPlan.parse(config.faults)  # bad specs fail here, before any rank starts
     origin = time.perf_counter()
-    payloads = launch(
+    ranks = start(
         _rank,
         world,
-        backend="gloo" if gloo else "nccl",
-        timeout=config.timeout,
-        args=(model_fn, inputs, targets, config, origin),
+        backend="gloo" if devices.kind == "virtual" else "nccl",
+        timeout=sum(c.timeout for c in configs),
+        args=(list(jobs), inputs, targets, origin),
     )
-    ranks = [unpack(p) for p in payloads]
-    recorder = Recorder(enabled=config.watch, origin=origin)
-    for data in ranks:
-        recorder_from_data(recorder, data["recorder"])
-    first = ranks[0]
-    return RunResult(
-        strategy="ddp",
-        losses=first["losses"],
-        grads=first["grads"],
-        params=first["params"],
-        buffers=first["buffers"],
-        recorder=recorder,
-        notes=[sync_batchnorm_note("ddp")] if config.sync_batchnorm and gloo else [],
-        rank_losses=[r["losses"] for r in ranks],
-        rank_digests=[r["digests"] for r in ranks],
-        initial_params=first["initial"],
-    )
+    return DdpRuns(ranks, configs, origin)
+
+
+class DdpRuns:
+    """Runs started by :func:`start_ddp`: ``results()`` waits for them (rank failures
+    raise :class:`~gpudiag.runtime.launch.RankFailure`); leaving the ``with`` block
+    reaps the ranks."""
+
+    def __init__(self, ranks: Ranks, configs: list[RunConfig], origin: float):
+        self.ranks, self.configs, self.origin = ranks, configs, origin
+
+    def results(self) -> list[RunResult]:
+        per_rank = [unpack(payload)["jobs"] for payload in self.ranks.wait()]
+        return [self._result(config, [jobs[i] for jobs in per_rank]) for i, config in enumerate(self.configs)]
+
+    def _result(self, config: RunConfig, ranks: list[dict[str, Any]]) -> RunResult:
+        recorder = Recorder(enabled=config.watch, origin=self.origin)
+        for data in ranks:
+            recorder_from_data(recorder, data["recorder"])
+        first = ranks[0]
+        return RunResult(
+            strategy="ddp",
+            losses=first["losses"],
+            grads=first["grads"],
+            params=first["params"],
+            buffers=first["buffers"],
+            recorder=recorder,
+            notes=[sync_batchnorm_note("ddp")]
+            if config.sync_batchnorm and config.devices.kind == "virtual"
+            else [],
+            rank_losses=[r["losses"] for r in ranks],
+            rank_digests=[r["digests"] for r in ranks],
+            initial_params=first["initial"],
+        )
+
+    def __enter__(self) -> "DdpRuns":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ranks.close()
 
 
 def _shard(inputs: Any, rank: int, world: int) -> Any:
@@ -170,13 +207,31 @@ def _buffer_sync(broadcast: bool) -> dict[str, bool]:
 def _rank(
     rank: int,
     world: int,
+    jobs: list[tuple[ModelFn, RunConfig]],
+    inputs: Any,
+    targets: torch.Tensor,
+    origin: float,
+) -> list[bytes | memoryview]:
+    """One DDP rank: every job in turn, all returned as bytes (see :func:`pack`)."""
+    return pack(
+        {
+            "jobs": [
+                _train(rank, world, model_fn, inputs, targets, config, origin) for model_fn, config in jobs
+            ]
+        }
+    )
+
+
+def _train(
+    rank: int,
+    world: int,
     model_fn: ModelFn,
     inputs: Any,
     targets: torch.Tensor,
     config: RunConfig,
     origin: float,
-) -> bytes:
-    """One DDP rank: build, wrap, train on the shard, return everything as bytes."""
+) -> dict[str, Any]:
+    """One DDP run on this rank: build, wrap, train on the shard, return what happened."""
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = config.devices.kind == "cuda"
@@ -229,16 +284,12 @@ def _rank(
     module = ddp.module
     lead = rank == 0  # the others' tensors are rank 0's after the all-reduce: send only theirs
     send_state = lead and config.keep_state
-    return pack(
-        {
-            "losses": losses,
-            "digests": digests,
-            "grads": stepper.first_grads if lead else {},
-            "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
-            if send_state
-            else {},
-            "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()} if send_state else {},
-            "recorder": recorder_to_data(recorder),
-            "initial": initial,
-        }
-    )
+    return {
+        "losses": losses,
+        "digests": digests,
+        "grads": stepper.first_grads if lead else {},
+        "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()} if send_state else {},
+        "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()} if send_state else {},
+        "recorder": recorder_to_data(recorder),
+        "initial": initial,
+    }

@@ -122,16 +122,60 @@ def launch(
     cheapest safe one, see :func:`start_method`). ``fn`` and ``args`` must be picklable
     unless the method is ``fork``.
     """
+    with start(fn, world_size, backend=backend, timeout=timeout, args=args, method=method) as ranks:
+        return ranks.wait()
+
+
+class Ranks:
+    """Ranks started by :func:`start`. ``wait()`` returns their bytes (or raises
+    :class:`RankFailure`); leaving the ``with`` block terminates and reaps every rank
+    still running and removes their folder, whatever happened in between."""
+
+    def __init__(
+        self, procs: list[Any], folder: Path | None, deadline: float, timeout: float, results: Any = None
+    ):
+        self.procs, self.folder, self.deadline, self.timeout = procs, folder, deadline, timeout
+        self._results: list[bytearray] | None = results
+
+    def wait(self) -> list[bytearray]:
+        if self._results is None:
+            assert self.folder is not None
+            self._results = _wait(self.procs, self.folder, self.deadline, self.timeout)
+        return self._results
+
+    def close(self) -> None:
+        _reap(self.procs)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start(
+    fn: RankFn,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    args: tuple[Any, ...] = (),
+    method: str | None = None,
+) -> Ranks:
+    """Start the ranks of :func:`launch` and return at once, so this process can work
+    while they run; use the result as a context manager. Under torchrun this process is
+    a rank itself, so ``fn`` runs here before ``start`` returns."""
     if torchrun_env():
-        return _join_torchrun(fn, backend, timeout, args)
+        return Ranks([], None, 0.0, timeout, _join_torchrun(fn, backend, timeout, args))
     method = method or start_method(backend)
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch"])
     folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
     logs = None if _log_folder is None else str(_log_folder / f"launch{next(_launches)}")
-    deadline = time.monotonic() + timeout
-    procs = []
+    ranks = Ranks([], folder, time.monotonic() + timeout, timeout)
     try:
         for rank in range(world_size):
             proc = ctx.Process(
@@ -141,11 +185,11 @@ def launch(
                 daemon=True,
             )
             proc.start()
-            procs.append(proc)
-        return _wait(procs, folder, deadline, timeout)
-    finally:
-        _reap(procs)
-        shutil.rmtree(folder, ignore_errors=True)
+            ranks.procs.append(proc)
+    except BaseException:
+        ranks.close()
+        raise
+    return ranks
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[bytearray]:
