@@ -33,7 +33,7 @@ from torch import nn
 from gpudiag.findings import Finding
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
-from gpudiag.runtime.ddp import start_ddp
+from gpudiag.runtime.ddp import forks, start_ddp
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import DTYPES, ModelFn
 
@@ -295,6 +295,27 @@ class Prebuilt:
         torch.set_rng_state(self.rng_after)
         return copy.deepcopy(self.template)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (for ranks started by a forkserver) as the factory plus the template's
+        state: the rank builds the model once and loads the parent's weights into it, so
+        its copies equal the parent's even for a factory whose own randomness torch's
+        seed does not cover, and a model class from a user's file is never pickled."""
+        if self.template is None:
+            return (Prebuilt, (self.factory,))
+        return (_rebuilt, (self.factory, self.template.state_dict(), self.rng_after, self.unwrapped))
+
+
+def _rebuilt(
+    factory: ModelFn, state: dict[str, torch.Tensor], rng_after: torch.Tensor, unwrapped: list[str]
+) -> Prebuilt:
+    from gpudiag.models import unwrap
+
+    prebuilt = Prebuilt(factory)
+    prebuilt.template, _ = unwrap(factory())
+    prebuilt.template.load_state_dict(state)
+    prebuilt.rng_after, prebuilt.unwrapped = rng_after, unwrapped
+    return prebuilt
+
 
 @dataclass(frozen=True)
 class Controlled:
@@ -367,28 +388,32 @@ def _run_all(
     factories: dict[str, ModelFn], inputs: Any, targets: torch.Tensor, base: RunConfig, strategies: list[str]
 ) -> dict[str, _Run]:
     """Run single and every strategy for each mode's factory (``{"as-is": f}``, or as-is
-    and controlled together when auto mode will almost surely need both).
+    and controlled together when auto mode will almost surely need both). DDP runs of
+    every mode share one launch.
 
-    DDP's ranks start first, with the run of every mode in one launch, and the
-    in-process strategies run while they work, on one thread so the ranks keep the
-    others (on this 2-core machine the six runs of resnet18 went from about 1.2 s one
-    after the other to the figure in docs/gradcheck.md). If that launch fails, the
-    first mode's DDP run is repeated alone, so a failure is pinned on the right run,
-    and the other modes are dropped (run again later if they are needed)."""
+    Ranks that are forked start at once: they start first, and the in-process strategies
+    run meanwhile on one thread, so the ranks keep the other cores. Ranks from a
+    forkserver wait until it has finished importing, and CUDA ranks would share the GPUs
+    with the in-process runs: those start after. If the launch fails, the first mode's
+    DDP run is repeated alone, so the failure is pinned on the right run, and the other
+    modes are dropped (run again later if they are needed)."""
     runs = {mode: _Run({}, {}) for mode in factories}
     local = ["single", *[s for s in strategies if s not in ("single", "ddp")]]
     ddp_config = replace(base, strategy="ddp", track_params=base.steps > 1)
-    started = (
-        start_ddp([(f, ddp_config) for f in factories.values()], inputs, targets)
-        if "ddp" in strategies
-        else contextlib.nullcontext()
-    )
+    jobs = [(f, ddp_config) for f in factories.values()] if "ddp" in strategies else []
     failure: RankFailure | None = None
-    with started as ddp, _threads(None if ddp is None else 1):
-        for mode, factory in factories.items():
-            for strategy in local:
-                runs[mode].results[strategy] = run(factory, inputs, targets, replace(base, strategy=strategy))
-        if ddp is not None:
+    with contextlib.ExitStack() as stack:
+        early = (
+            stack.enter_context(start_ddp(jobs, inputs, targets)) if jobs and forks(base.devices) else None
+        )
+        with _threads(1 if early is not None or jobs else None):
+            for mode, factory in factories.items():
+                for strategy in local:
+                    runs[mode].results[strategy] = run(
+                        factory, inputs, targets, replace(base, strategy=strategy)
+                    )
+        if jobs:
+            ddp = early or stack.enter_context(start_ddp(jobs, inputs, targets))
             try:
                 for mode, result in zip(factories, ddp.results(), strict=True):
                     runs[mode].results["ddp"] = result

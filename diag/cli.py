@@ -57,6 +57,8 @@ def format_option(formats: tuple[str, ...]) -> Any:
 
 
 def _parse_injections(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    if not values:
+        return values  # (the runtime imports torch: not before the command needs it)
     from gpudiag.runtime.faults import InjectSpecError, parse_fault
 
     for value in values:
@@ -133,12 +135,17 @@ def topology(
 
 
 def _dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    from gpudiag.models import parse_dims
-
+    """``3,32,32`` → (3, 32, 32). (Parsed here, without importing torch: a command that
+    launches DDP ranks starts their forkserver before torch loads.)"""
     try:
-        return parse_dims(value)
-    except GpudiagError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+        dims = tuple(int(d) for d in value.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise click.BadParameter(
+            f"bad shape {value!r}: expected positive integers like 3,32,32", ctx=ctx, param=param
+        )
+    return dims
 
 
 def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
@@ -147,6 +154,20 @@ def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     if bad or not names:
         raise click.BadParameter(f"expected a list of single, dp, ddp; got {value!r}", ctx=ctx, param=param)
     return names
+
+
+def _warm_ddp_ranks(strategies: tuple[str, ...], model: str) -> contextlib.AbstractContextManager[None]:
+    """Called before torch is imported: start the forkserver that DDP's ranks will come
+    from, so it imports torch, dynamo and the model's library on the other core while
+    this process imports and runs the in-process strategies (see ``warm_ranks``)."""
+    from gpudiag.rankserver import warm_ranks
+
+    if "ddp" not in strategies:
+        return contextlib.nullcontext()
+    preload = ["torch", "torch._dynamo", "gpudiag.runtime.ddp", "gpudiag.checks.gradcheck", "gpudiag.cli"]
+    if model.startswith("torchvision:"):
+        preload.insert(2, "torchvision")
+    return warm_ranks(preload)
 
 
 @cli.command()
@@ -216,11 +237,13 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
     Exit 0 for pass or explained (1 with --strict), 1 for fail.
     """
-    from gpudiag.checks.gradcheck import gradcheck_spec
+    with _warm_ddp_ranks(options["strategies"], options["model"]):
+        from gpudiag.checks.gradcheck import gradcheck_spec
+
+        report = gradcheck_spec(**options)
     from gpudiag.render import render
     from gpudiag.runtime.record import write_trace
 
-    report = gradcheck_spec(**options)
     if trace:
         write_trace(trace, report.recorders, force=True)
     render("gradcheck", report, fmt, sys.stdout)

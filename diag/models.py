@@ -84,14 +84,19 @@ class ModelFactory:
 
     def _callable(self) -> Any:
         if self.kind == "torchvision":
-            try:
-                import torchvision
-            except ImportError as exc:
-                raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
-            return torchvision.models.get_model_builder(self.target)
+            return _torchvision().models.get_model_builder(self.target)
         if self.kind == "file":
             return getattr(_load_file(self.target), self.attr)
         return getattr(importlib.import_module(self.target), self.attr)
+
+
+def _torchvision() -> Any:
+    from gpudiag.vision import import_torchvision
+
+    try:
+        return import_torchvision()
+    except ImportError as exc:
+        raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
 
 
 def _load_file(path: str) -> Any:
@@ -124,11 +129,7 @@ def resolve_model(
         return ModelFactory(spec, "builtin", text, **common)
     if text.startswith("torchvision:"):
         name = text.removeprefix("torchvision:")
-        try:
-            import torchvision
-        except ImportError as exc:
-            raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
-        names = torchvision.models.list_models()
+        names = _torchvision().models.list_models()
         if name not in names:
             close = difflib.get_close_matches(name, names, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -212,17 +213,6 @@ def random_batch(
             f"the model does not accept inputs of shape {tuple(inputs.shape[1:])}: {exc}"
         ) from exc
     return inputs, torch.randn(batch_size, *out.shape[1:], generator=generator)
-
-
-def parse_dims(text: str) -> tuple[int, ...]:
-    """``3,32,32`` → (3, 32, 32); an InputError for anything else."""
-    try:
-        dims = tuple(int(d) for d in text.split(","))
-    except ValueError:
-        dims = ()
-    if not dims or any(d < 1 for d in dims):
-        raise InputError(f"bad shape {text!r}: expected positive integers like 3,32,32")
-    return dims
 
 
 #: Wrappers whose state-dict keys gain a prefix: DataParallel/DDP (``module.``) and

@@ -21,16 +21,24 @@ ROOT = Path(__file__).parent.parent
 TWO = DeviceSet.virtual(2)
 
 
+#: multiprocessing's own helpers, which live as long as this process: the forkserver the
+#: CLI warms for DDP ranks (gpudiag.rankserver) and the resource tracker.
+HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
 def children() -> list[int]:
-    """Live (non-zombie) child processes of this process, from /proc."""
+    """Live (non-zombie) child processes of this process, from /proc, but for
+    multiprocessing's helpers."""
     me = str(os.getpid())
     out = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            cmdline = (status.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if fields.get("PPid", "").strip() == me and not fields.get("State", "").startswith("Z"):
+        mine = fields.get("PPid", "").strip() == me and not fields.get("State", "").startswith("Z")
+        if mine and not any(helper in cmdline for helper in HELPERS):
             out.append(int(status.parent.name))
     return out
 

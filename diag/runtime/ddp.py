@@ -13,6 +13,7 @@ with torch's default hook: the runtime adds nothing.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import importlib
 import math
 import time
 from collections.abc import Sequence
@@ -23,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.errors import InputError
+from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
-from gpudiag.runtime.launch import Ranks, start
+from gpudiag.runtime.launch import Ranks, start, start_method
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.run import (
     ModelFn,
@@ -133,15 +135,30 @@ def start_ddp(jobs: Sequence[tuple[ModelFn, RunConfig]], inputs: Any, targets: t
         raise InputError(f"a batch of {len(targets)} gives {shards} shard(s) for {world} DDP ranks")
     for config in configs:
         FaultPlan.parse(config.faults)  # bad specs fail here, before any rank starts
+    backend = _backend(devices)
+    if start_method(backend) == "fork":
+        # DDP's constructor imports torch._dynamo (0.85 s here): import it once, before
+        # the fork, rather than once in every rank.
+        importlib.import_module("torch._dynamo")
     origin = time.perf_counter()
     ranks = start(
         _rank,
         world,
-        backend="gloo" if devices.kind == "virtual" else "nccl",
+        backend=backend,
         timeout=sum(c.timeout for c in configs),
         args=(list(jobs), inputs, targets, origin),
     )
     return DdpRuns(ranks, configs, origin)
+
+
+def _backend(devices: DeviceSet) -> str:
+    return "gloo" if devices.kind == "virtual" else "nccl"
+
+
+def forks(devices: DeviceSet) -> bool:
+    """Whether DDP ranks on ``devices`` would be forked from this process now (so they
+    start at once), rather than come from a forkserver (see ``launch.start_method``)."""
+    return start_method(_backend(devices)) == "fork"
 
 
 class DdpRuns:

@@ -35,10 +35,11 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpudiag import rankserver
 from gpudiag.errors import EXIT_PROBLEM, GpudiagError
 from gpudiag.findings import Finding
 
@@ -88,20 +89,17 @@ class RankFailure(GpudiagError):
         return Finding(self.code, "error", str(self), {"rank": self.rank, "detail": self.detail}, fix=fix)
 
 
-def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process was started by torchrun (or another env:// launcher)."""
-    env = os.environ if env is None else env
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
 def start_method(backend: str) -> str:
-    """``fork`` for CPU ranks when this process holds no CUDA context and runs no other
-    thread, else forkserver. (A child forked while another thread is inside torch can
-    inherit a lock held forever: measured, the ranks hung until their deadline.)"""
+    """``forkserver`` inside :func:`gpudiag.rankserver.warm_ranks`; otherwise ``fork`` for CPU ranks when this
+    process holds no CUDA context and runs no other thread, else forkserver. (A child
+    forked while another thread is inside torch can inherit a lock held forever:
+    measured, the ranks hung until their deadline.)"""
     import threading
 
     import torch
 
+    if rankserver.warm():
+        return "forkserver"
     if backend == "gloo" and not torch.cuda.is_initialized() and threading.active_count() == 1:
         return "fork"
     return "forkserver"
@@ -167,7 +165,7 @@ def start(
     """Start the ranks of :func:`launch` and return at once, so this process can work
     while they run; use the result as a context manager. Under torchrun this process is
     a rank itself, so ``fn`` runs here before ``start`` returns."""
-    if torchrun_env():
+    if rankserver.torchrun_env():
         return Ranks([], None, 0.0, timeout, _join_torchrun(fn, backend, timeout, args))
     method = method or start_method(backend)
     ctx = mp.get_context(method)

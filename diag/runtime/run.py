@@ -169,15 +169,23 @@ class Stepper:
         self.model = model
         self.config = config
         self.forward = forward
-        self.optimizer = make_optimizer(model, config)
         kind = device_type(config.devices)
         self.autocast = torch.autocast(kind, dtype=DTYPES[config.dtype]) if config.dtype != "fp32" else None
         self.scaler = torch.amp.GradScaler(kind) if config.dtype == "fp16" else None
-        if self.scaler is not None and self.optimizer is None:  # something to unscale with
-            self.unscaler: torch.optim.Optimizer | None = torch.optim.SGD(model.parameters(), lr=0.0)
-        else:
-            self.unscaler = self.optimizer
+        # The optimizer is built when first needed: a run whose only step applies no
+        # update (see updates()) never builds one.
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.unscaler: torch.optim.Optimizer | None = None
+        if self.scaler is not None:  # something to unscale with
+            self.unscaler = self.optimizer or torch.optim.SGD(model.parameters(), lr=0.0)
         self.first_grads: dict[str, torch.Tensor] = {}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The run's optimizer (None for ``none``), built on first use."""
+        if self._optimizer is None:
+            self._optimizer = make_optimizer(self.model, self.config)
+        return self._optimizer
 
     def micro_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the (unscaled) loss."""
@@ -199,7 +207,8 @@ class Stepper:
         after_backward: Callable[[], None] | None = None,
     ) -> float:
         """One optimizer step over the micro-batches; returns the mean micro-batch loss.
-        ``no_sync`` (DDP) wraps every micro-batch but the last."""
+        ``no_sync`` (DDP) wraps every micro-batch but the last. The last step's update is
+        skipped when nothing reads the weights after it (see :meth:`updates`)."""
         for attempt in range(MAX_SCALE_RETRIES + 1):
             self.model.zero_grad(set_to_none=True)
             total = 0.0
@@ -223,15 +232,24 @@ class Stepper:
                 for n, p in self.model.named_parameters()
                 if p.grad is not None
             }
-        if self.optimizer is not None:
+        optimizer = self.optimizer if self.updates(step) else None
+        if optimizer is not None:
             if self.scaler is not None:
-                self.scaler.step(self.optimizer)
+                self.scaler.step(optimizer)
                 self.scaler.update()
             else:
-                self.optimizer.step()
+                optimizer.step()
         elif self.scaler is not None:
             self.scaler.update()
         return total / len(micro)
+
+    def updates(self, step: int) -> bool:
+        """Whether ``step`` applies its optimizer update: every step but a last one whose
+        weights nobody reads (no kept state, no per-step digests). Skipping it changes no
+        result, and spares eager torch building an optimizer: its ``add_param_group``
+        imports ``torch._dynamo`` (0.85 s here) through ``torch._disable_dynamo``."""
+        config = self.config
+        return step < config.steps or config.keep_state or config.track_params
 
     def _grads_finite(self) -> bool:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -1,0 +1,55 @@
+"""The forkserver that DDP ranks start from, started early so its imports overlap ours.
+
+A command that will launch DDP ranks enters :func:`warm_ranks` first thing, before it
+imports torch. The server (Python's ``multiprocessing`` forkserver: a fresh interpreter
+that imports ``preload`` once and forks every rank from itself) then imports torch,
+``torch._dynamo`` (which DDP's constructor imports) and the model's library on another
+core while this process imports torch and runs the in-process strategies, and every
+rank starts with all of it imported. Inside the block
+:func:`gpudiag.runtime.launch.start_method` picks the forkserver, so the rank function
+and its arguments must be picklable. The server stays up, for later blocks too, until
+this process exits; then it leaves at once (:mod:`gpudiag.rankserver_exit`).
+
+This module imports neither torch nor anything else heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+from collections.abc import Iterator, Mapping, Sequence
+
+_warm = False
+
+
+def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process was started by torchrun (or another env:// launcher)."""
+    env = os.environ if env is None else env
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def warm() -> bool:
+    """Whether launches now start their ranks from the warmed forkserver."""
+    return _warm
+
+
+@contextlib.contextmanager
+def warm_ranks(preload: Sequence[str]) -> Iterator[None]:
+    """Start the forkserver now, importing ``preload`` (module names) in it, and start
+    the ranks of every launch inside the block from it."""
+    global _warm
+    from multiprocessing import forkserver
+
+    if torchrun_env():  # this process is a rank itself: nothing is launched
+        yield
+        return
+
+    # Last: makes the server leave without tearing its interpreter down (rankserver_exit).
+    mp.get_context("forkserver").set_forkserver_preload([*preload, "gpudiag.rankserver_exit"])
+    forkserver.ensure_running()
+    previous, _warm = _warm, True
+    try:
+        yield
+    finally:
+        _warm = previous
