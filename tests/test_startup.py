@@ -1,0 +1,98 @@
+"""What keeps a command's start cheap: torchvision without torch._dynamo, no optimizer
+for an update nobody reads, the DDP rank forkserver warmed before torch loads, and
+models pickled for it with the parent's weights. (Speed itself is measured in bench/.)"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpudiag.checks.gradcheck import Prebuilt
+from gpudiag.models import resolve_model
+
+ROOT = Path(__file__).parent.parent
+
+
+def python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_torchvision_without_dynamo_then_dynamo_as_usual() -> None:
+    out = python(
+        "import sys, torch\n"
+        "from gpudiag.vision import import_torchvision\n"
+        "from gpudiag.runtime import DeviceSet, RunConfig, run\n"
+        "tv = import_torchvision()\n"
+        "print('after import', 'torch._dynamo' in sys.modules)\n"
+        "factory = lambda: tv.models.resnet18(num_classes=10)\n"
+        "x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])\n"
+        "run(factory, x, y, RunConfig('dp', DeviceSet.virtual(2), keep_state=False))\n"
+        "print('after a run', 'torch._dynamo' in sys.modules)\n"
+        "roi = sys.modules['torchvision.ops.roi_align']\n"
+        "print('forwarded', roi.is_compile_supported('cpu'), 'torch._dynamo' in sys.modules)\n"
+        "print('compiled', torch.compile(lambda a: a * 2, backend='eager')(torch.ones(2)).tolist())\n"
+    )
+    assert out.splitlines() == [
+        "after import False",
+        "after a run False",  # no optimizer is built for an update nobody reads
+        "forwarded True True",  # the stand-in's function imports the real dynamo when called
+        "compiled [2.0, 2.0]",
+    ]
+
+
+def test_torchvision_that_wants_more_of_dynamo_is_imported_plainly() -> None:
+    out = python(
+        "import sys, torch, gpudiag.vision as v\n"
+        "v.FORWARDED = frozenset()  # as if torchvision took another name from dynamo\n"
+        "tv = v.import_torchvision()\n"
+        "print('torch._dynamo' in sys.modules, tv.models.resnet18(num_classes=3).fc.out_features)\n"
+    )
+    assert out.split() == ["True", "3"]
+
+
+def test_the_rank_forkserver_starts_before_torch_is_imported() -> None:
+    out = python(
+        "import sys, gpudiag.rankserver as r\n"
+        "real = r.warm_ranks\n"
+        "def warm(preload):\n"
+        "    print('torch loaded when warming:', 'torch' in sys.modules, 'torch._dynamo' in preload)\n"
+        "    return real(preload)\n"
+        "r.warm_ranks = warm\n"
+        "from gpudiag.cli import main\n"
+        "sys.argv = ['gpudiag', 'gradcheck', '--model', 'mlp', '--input-shape', '8', '--format', 'json']\n"
+        "main()\n"
+    )
+    assert out.splitlines()[0] == "torch loaded when warming: False True"
+    assert '"verdict": "pass"' in out
+
+
+class _Noisy(nn.Module):
+    """Initialised from Python's random module, which torch's seed does not cover."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.fc.weight.fill_(random.random())
+
+
+def test_a_prebuilt_model_pickles_with_the_parents_weights() -> None:
+    prebuilt = Prebuilt(_Noisy)
+    torch.manual_seed(0)
+    original = prebuilt()
+    copy = pickle.loads(pickle.dumps(prebuilt))()
+    assert torch.equal(copy.fc.weight, original.fc.weight) and torch.equal(copy.fc.bias, original.fc.bias)
+    assert torch.equal(copy.fc.weight, prebuilt().fc.weight)
+
+
+def test_a_resolved_torchvision_factory_pickles_by_name() -> None:
+    factory = resolve_model("torchvision:resnet18?num_classes=10")
+    assert len(pickle.dumps(factory)) < 1000  # the spec, not a model
