@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 
 _warm = False
@@ -27,6 +28,20 @@ def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process was started by torchrun (or another env:// launcher)."""
     env = os.environ if env is None else env
     return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+#: Ranks from the forkserver receive their tensors (the model, the batch) through
+#: /dev/shm, as torch.multiprocessing shares them. Below this much free room — a default
+#: Docker container has 64 MB — ranks are forked instead, which needs none.
+SHM_ROOM = 1 << 30
+
+
+def shared_memory_room(path: str = "/dev/shm") -> bool:
+    """Whether ``path`` has :data:`SHM_ROOM` bytes free."""
+    try:
+        return shutil.disk_usage(path).free >= SHM_ROOM
+    except OSError:
+        return False
 
 
 def warm() -> bool:
@@ -41,7 +56,7 @@ def warm_ranks(preload: Sequence[str]) -> Iterator[None]:
     global _warm
     from multiprocessing import forkserver
 
-    if torchrun_env():  # this process is a rank itself: nothing is launched
+    if torchrun_env() or not shared_memory_room():  # nothing to warm: ranks are forked
         yield
         return
 

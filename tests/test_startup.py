@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -72,6 +73,19 @@ def test_the_rank_forkserver_starts_before_torch_is_imported() -> None:
     )
     assert out.splitlines()[0] == "torch loaded when warming: False True"
     assert '"verdict": "pass"' in out
+
+
+def test_without_room_in_dev_shm_ranks_are_forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag import rankserver
+    from gpudiag.runtime.launch import start_method
+
+    monkeypatch.setattr(rankserver, "SHM_ROOM", 1 << 60)  # more than any machine has
+    with rankserver.warm_ranks(["torch"]):
+        assert not rankserver.warm() and start_method("gloo") == "fork"
+    monkeypatch.undo()
+    with rankserver.warm_ranks(["torch"]):
+        assert rankserver.warm() and start_method("gloo") == "forkserver"
+    assert start_method("gloo") == "fork"  # outside the block: as before
 
 
 class _Noisy(nn.Module):
