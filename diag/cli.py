@@ -156,18 +156,13 @@ def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     return names
 
 
-def _warm_ddp_ranks(strategies: tuple[str, ...], model: str) -> contextlib.AbstractContextManager[None]:
+def _warm_ddp_ranks(strategies: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
     """Called before torch is imported: start the forkserver that DDP's ranks will come
-    from, so it imports torch, dynamo and the model's library on the other core while
+    from, so it imports torch, dynamo and torchvision on the other core while
     this process imports and runs the in-process strategies (see ``warm_ranks``)."""
     from gpudiag.rankserver import warm_ranks
 
-    if "ddp" not in strategies:
-        return contextlib.nullcontext()
-    preload = ["torch", "torch._dynamo", "gpudiag.runtime.ddp", "gpudiag.checks.gradcheck", "gpudiag.cli"]
-    if model.startswith("torchvision:"):
-        preload.insert(2, "torchvision")
-    return warm_ranks(preload)
+    return warm_ranks() if "ddp" in strategies else contextlib.nullcontext()
 
 
 @cli.command()
@@ -237,7 +232,7 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
     Exit 0 for pass or explained (1 with --strict), 1 for fail.
     """
-    with _warm_ddp_ranks(options["strategies"], options["model"]):
+    with _warm_ddp_ranks(options["strategies"]):
         from gpudiag.checks.gradcheck import gradcheck_spec
 
         report = gradcheck_spec(**options)

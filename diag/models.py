@@ -99,8 +99,13 @@ def _torchvision() -> Any:
         raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
 
 
+#: Modules loaded from a user's file are named this plus a hash: no other process can
+#: import them by that name.
+USER_MODULE_PREFIX = "gpudiag_user_model_"
+
+
 def _load_file(path: str) -> Any:
-    name = f"gpudiag_user_model_{abs(hash(path))}"
+    name = f"{USER_MODULE_PREFIX}{abs(hash(path))}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

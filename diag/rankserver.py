@@ -49,10 +49,24 @@ def warm() -> bool:
     return _warm
 
 
+#: What a DDP rank imports: torch, dynamo (DDP's constructor), torchvision (models named
+#: torchvision:…; skipped where it is not installed), the runtime, gradcheck (its model
+#: factories) and the CLI (a rank re-imports the parent's __main__).
+DDP_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torchvision",
+    "gpudiag.runtime.ddp",
+    "gpudiag.checks.gradcheck",
+    "gpudiag.cli",
+)
+
+
 @contextlib.contextmanager
-def warm_ranks(preload: Sequence[str]) -> Iterator[None]:
+def warm_ranks(preload: Sequence[str] = DDP_PRELOAD) -> Iterator[None]:
     """Start the forkserver now, importing ``preload`` (module names) in it, and start
-    the ranks of every launch inside the block from it."""
+    the ranks of every launch inside the block from it. The server's preload is fixed
+    when it first starts; later blocks reuse it."""
     global _warm
     from multiprocessing import forkserver
 
