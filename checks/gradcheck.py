@@ -166,15 +166,17 @@ def compare(
     computes them) and summed in float64; the dot product for the cosine is a BLAS dot."""
     names = [n for n in order if n in ref.grads and n in got.grads]
     a_list, b_list = [got.grads[n] for n in names], [ref.grads[n] for n in names]
-    deltas = torch._foreach_abs(torch._foreach_sub(a_list, b_list)) if names else []
-    d_norms = _norms(deltas)
-    b_norms = _norms(b_list)
-    a_norms = _norms(a_list)
+    deltas = torch._foreach_sub(a_list, b_list) if names else []
+    torch._foreach_abs_(deltas)
+    d_norms, b_norms, a_norms = _norms(deltas), _norms(b_list), _norms(a_list)
+    p_abs = _maxes(deltas)
+    torch._foreach_div_(deltas, torch._foreach_clamp_min(torch._foreach_abs(b_list), 1e-12))
+    p_rel = _maxes(deltas)
     diffs = []
     sq_delta = sq_ref = sq_got = dot = 0.0
     max_abs = max_rel = 0.0
-    for name, a, b, delta, d_norm, b_norm, a_norm in zip(
-        names, a_list, b_list, deltas, d_norms, b_norms, a_norms, strict=True
+    for name, a, b, d_norm, b_norm, a_norm, abs_err, rel_err in zip(
+        names, a_list, b_list, d_norms, b_norms, a_norms, p_abs, p_rel, strict=True
     ):
         sq_delta, sq_ref, sq_got = sq_delta + d_norm**2, sq_ref + b_norm**2, sq_got + a_norm**2
         dot += (
@@ -182,11 +184,9 @@ def compare(
             if a.numel() < 2**24
             else float((a.double() * b.double()).sum())
         )
-        p_abs = float(delta.max()) if delta.numel() else 0.0
-        p_rel = float(delta.div_(b.abs().clamp_min(1e-12)).max()) if delta.numel() else 0.0
-        max_abs, max_rel = _nan_max(max_abs, p_abs), _nan_max(max_rel, p_rel)
+        max_abs, max_rel = _nan_max(max_abs, abs_err), _nan_max(max_rel, rel_err)
         rel_norm = d_norm / b_norm if b_norm > 0 else (0.0 if d_norm == 0 else math.inf)
-        diffs.append(ParamDiff(name, p_abs, p_rel, rel_norm))
+        diffs.append(ParamDiff(name, abs_err, rel_err, rel_norm))
     if not diffs:
         return Comparison(strategy, world, mode, True, 0.0, 1.0, 1.0, 0.0, 0.0, None, None)
     ref_norm, got_norm = math.sqrt(sq_ref), math.sqrt(sq_got)
@@ -226,6 +226,14 @@ def _norms(tensors: list[torch.Tensor]) -> list[float]:
         float(torch.linalg.vector_norm(t, dtype=torch.float64)) if math.isinf(n) else n
         for t, n in zip(tensors, norms, strict=True)
     ]
+
+
+def _maxes(tensors: list[torch.Tensor]) -> list[float]:
+    """The largest element of each tensor (NaN if it holds one; 0 for an empty one), in
+    one fused pass."""
+    full = [t for t in tensors if t.numel()]
+    found = iter(torch.stack(torch._foreach_max(full)).tolist() if full else [])
+    return [next(found) if t.numel() else 0.0 for t in tensors]
 
 
 def _nan_max(a: float, b: float) -> float:
@@ -418,7 +426,12 @@ def _superseded(c: Comparison, comparisons: list[Comparison]) -> bool:
 
 
 def _run_all(
-    factories: dict[str, ModelFn], inputs: Any, targets: torch.Tensor, base: RunConfig, strategies: list[str]
+    factories: dict[str, ModelFn],
+    inputs: Any,
+    targets: torch.Tensor,
+    base: RunConfig,
+    strategies: list[str],
+    before_ddp: Callable[[dict[str, _Run]], object] | None = None,
 ) -> dict[str, _Run]:
     """Run single and every strategy for each mode's factory (``{"as-is": f}``, or as-is
     and controlled together when auto mode will almost surely need both). DDP runs of
@@ -429,7 +442,9 @@ def _run_all(
     forkserver wait until it has finished importing, and CUDA ranks would share the GPUs
     with the in-process runs: those start after. If the launch fails, the first mode's
     DDP run is repeated alone, so the failure is pinned on the right run, and the other
-    modes are dropped (run again later if they are needed)."""
+    modes are dropped (run again later if they are needed). ``before_ddp(runs)`` is called
+    once the in-process runs are done, before DDP's results are awaited (gradcheck
+    compares single with dp there, while this process would otherwise wait)."""
     runs = {mode: _Run({}, {}) for mode in factories}
     local = ["single", *[s for s in strategies if s not in ("single", "ddp")]]
     ddp_config = replace(base, strategy="ddp", track_params=base.steps > 1)
@@ -445,6 +460,8 @@ def _run_all(
                     runs[mode].results[strategy] = run(
                         factory, inputs, targets, replace(base, strategy=strategy)
                     )
+            if before_ddp is not None:
+                before_ddp(runs)
         if jobs:
             ddp = early or stack.enter_context(start_ddp(jobs, inputs, targets))
             try:
@@ -562,12 +579,18 @@ def gradcheck(
             # BatchNorm in train mode or active dropout: the as-is runs will almost surely
             # differ and need the controlled rerun, so run both modes together.
             factories["controlled"] = Controlled(model_factory)
-        runs = _run_all(factories, inputs, targets, base, wanted)
+        done: dict[tuple[int, int, str], tuple[RunResult, RunResult, Comparison]] = {}
+
+        def compare_local(runs: dict[str, _Run]) -> None:
+            for name, ran in runs.items():
+                _compare_all(ran, name, world, tol, traits.order, done)
+
+        runs = _run_all(factories, inputs, targets, base, wanted, before_ddp=compare_local)
         outcome = runs[first_mode]
         recorders = _recorders(outcome, first_mode)
         findings += _notes(outcome)
         findings += _failures(outcome, factory, inputs, targets, base, first_mode)
-        comparisons = _compare_all(outcome, first_mode, world, tol, traits.order)
+        comparisons = _compare_all(outcome, first_mode, world, tol, traits.order, done)
         findings += _nonfinite(outcome, traits.order)
         unused = _unused_params(outcome, traits.order)
         if unused and not any(f.code == "unused-parameters" for f in findings):
@@ -599,7 +622,7 @@ def gradcheck(
                 findings += _failures(
                     controlled, Controlled(model_factory), inputs, targets, base, "controlled"
                 )
-                again = _compare_all(controlled, "controlled", world, tol, traits.order)
+                again = _compare_all(controlled, "controlled", world, tol, traits.order, done)
                 comparisons += again
                 if all(c.ok for c in again) and not controlled.failures:
                     findings += _train_mode_findings(traits, unexplained, confirmed=True)
@@ -721,15 +744,27 @@ def _verdict(comparisons: list[Comparison], findings: list[Finding]) -> str:
 
 
 def _compare_all(
-    outcome: _Run, mode: str, world: int, tol: float, order: tuple[str, ...]
+    outcome: _Run,
+    mode: str,
+    world: int,
+    tol: float,
+    order: tuple[str, ...],
+    done: dict[tuple[int, int, str], tuple[RunResult, RunResult, Comparison]] | None = None,
 ) -> list[Comparison]:
+    """Every strategy of ``outcome`` against its single run; ``done`` keeps comparisons
+    made earlier, by result (and keeps those results alive, so their ids stay theirs),
+    so none is computed twice."""
     ref = outcome.results.get("single")
     if ref is None:
         return []
+    done = {} if done is None else done
     out = []
     for strategy, result in outcome.results.items():
         if strategy != "single":
-            comparison = compare(strategy, mode, world, result, ref, tol, list(order))
+            key = (id(result), id(ref), mode)
+            if key not in done:
+                done[key] = (result, ref, compare(strategy, mode, world, result, ref, tol, list(order)))
+            comparison = done[key][2]
             comparison.options = dict(outcome.options.get(strategy, {}))
             out.append(comparison)
     return out
