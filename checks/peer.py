@@ -174,7 +174,7 @@ def allreduce_check(
             os.environ["NCCL_P2P_DISABLE"] = disable
         try:
             results = [
-                json.loads(r)
+                json.loads(r[:])
                 for r in launch(
                     _allreduce_rank,
                     2,

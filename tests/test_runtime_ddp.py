@@ -151,7 +151,7 @@ def _rank_bytes(rank: int, world: int) -> bytes:
 
 
 def test_launch_returns_bytes_in_rank_order() -> None:
-    assert launch(_rank_bytes, 3, timeout=30) == [b"0:6", b"1:6", b"2:6"]
+    assert [r[:] for r in launch(_rank_bytes, 3, timeout=30)] == [b"0:6", b"1:6", b"2:6"]
 
 
 def _rank_tensors(rank: int, world: int) -> list[bytes | memoryview]:
@@ -207,7 +207,7 @@ def test_two_runs_at_once_do_not_collide() -> None:
     code = (
         "from gpudiag.runtime.launch import launch\n"
         "from tests.test_runtime_ddp import _rank_bytes\n"
-        "print([bytes(r) for r in launch(_rank_bytes, 2, timeout=60)])\n"
+        "print([r[:] for r in launch(_rank_bytes, 2, timeout=60)])\n"
     )
     procs = [
         subprocess.Popen(

@@ -10,7 +10,8 @@ after the other, without copying them first: see :func:`gpudiag.runtime.run.pack
   ``forkserver`` with torch preloaded otherwise. The rendezvous is a FileStore in a private
   temporary folder, so no port is chosen and concurrent runs cannot collide; gloo/nccl
   pick free ephemeral ports for their own connections.
-- Results come back as files the ranks write (read back as one ``bytearray`` per rank),
+- Results come back as files the ranks write (mapped back as one writable private ``mmap``
+  per rank, a ``bytearray`` when empty; slice either for bytes),
   never as shared-memory tensors.
 - Every wait has a deadline. A rank that raises → :class:`RankFailure` ``rank-crashed``
   with its traceback; no answer by the deadline → ``rank-hung``. Either way every rank
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -44,6 +46,7 @@ from gpudiag.errors import EXIT_PROBLEM, GpudiagError
 from gpudiag.findings import Finding
 
 Payload = bytes | Sequence[bytes | memoryview]
+Result = bytearray | mmap.mmap  # what a rank's payload comes back as (see _read)
 RankFn = Callable[..., Payload]
 _POLL_S = 0.02
 _GRACE_S = 2.0
@@ -113,7 +116,7 @@ def launch(
     timeout: float = 120.0,
     args: tuple[Any, ...] = (),
     method: str | None = None,
-) -> list[bytearray]:
+) -> list[Result]:
     """Run ``fn(rank, world_size, *args)`` on every rank; the bytes each returned.
 
     ``method`` forces a start method (``fork``, ``forkserver``, ``spawn``; default: the
@@ -133,9 +136,9 @@ class Ranks:
         self, procs: list[Any], folder: Path | None, deadline: float, timeout: float, results: Any = None
     ):
         self.procs, self.folder, self.deadline, self.timeout = procs, folder, deadline, timeout
-        self._results: list[bytearray] | None = results
+        self._results: list[Result] | None = results
 
-    def wait(self) -> list[bytearray]:
+    def wait(self) -> list[Result]:
         if self._results is None:
             assert self.folder is not None
             self._results = _wait(self.procs, self.folder, self.deadline, self.timeout)
@@ -190,8 +193,8 @@ def start(
     return ranks
 
 
-def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[bytearray]:
-    done: dict[int, bytearray] = {}
+def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[Result]:
+    done: dict[int, Result] = {}
     while len(done) < len(procs):
         for rank, proc in enumerate(procs):
             if rank in done:
@@ -350,15 +353,17 @@ def _write(path: Path, data: Payload) -> None:
     os.replace(tmp, path)
 
 
-def _read(path: Path) -> bytearray:
-    """A rank's result as a writable buffer, so tensors can be views of it."""
+def _read(path: Path) -> Result:
+    """A rank's result as a writable buffer, so tensors can be views of it: a private
+    mapping of the file (copy-on-write; read as it is used, not copied up front: 0.06 s
+    less for resnet18's two gradients), which outlives the file's removal."""
     with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(data)
-    return data
+        if os.fstat(f.fileno()).st_size == 0:
+            return bytearray()  # (an empty file cannot be mapped)
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
-def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ...]) -> list[bytearray]:
+def _join_torchrun(fn: RankFn, backend: str, timeout: float, args: tuple[Any, ...]) -> list[Result]:
     import torch.distributed as dist
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

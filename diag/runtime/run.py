@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -393,10 +394,11 @@ def pack(obj: Any) -> list[bytes | memoryview]:
     return [len(header).to_bytes(8, "little"), header, *chunks]
 
 
-def unpack(data: bytes | bytearray | memoryview) -> Any:
+def unpack(data: bytes | bytearray | memoryview | mmap.mmap) -> Any:
     """The inverse of :func:`pack`, from the concatenated chunks. With a writable buffer
-    (a ``bytearray``) the tensors are views of it, no copy; read-only data is copied once."""
-    if not isinstance(data, bytearray):
+    (a ``bytearray``, a writable ``mmap``) the tensors are views of it, no copy; read-only
+    data is copied once."""
+    if not isinstance(data, (bytearray, mmap.mmap)):
         data = bytearray(data)
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + size])
