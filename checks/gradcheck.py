@@ -454,7 +454,7 @@ def _run_all(
         early = (
             stack.enter_context(start_ddp(jobs, inputs, targets)) if jobs and forks(base.devices) else None
         )
-        with _threads(1 if early is not None or jobs else None):
+        with _threads(1 if jobs else None):
             for mode, factory in factories.items():
                 for strategy in local:
                     runs[mode].results[strategy] = run(

@@ -7,12 +7,14 @@ after the other, without copying them first: see :func:`gpudiag.runtime.run.pack
 
 - Local launch: one process per rank. ``fork`` when the parent holds no CUDA context
   (no fresh interpreter, no second torch import: ranks start in milliseconds);
-  ``forkserver`` with torch preloaded otherwise. The rendezvous is a FileStore in a private
-  temporary folder, so no port is chosen and concurrent runs cannot collide; gloo/nccl
-  pick free ephemeral ports for their own connections.
-- Results come back as files the ranks write (mapped back as one writable private ``mmap``
-  per rank, a ``bytearray`` when empty; slice either for bytes),
-  never as shared-memory tensors.
+  ``forkserver`` otherwise — the one :mod:`gpudiag.rankserver` warmed, or one with torch
+  preloaded. :func:`start` returns once the ranks are started; :func:`launch` also
+  waits. The rendezvous is a FileStore in a private temporary folder, so no port is
+  chosen and concurrent runs cannot collide; gloo/nccl pick free ephemeral ports for
+  their own connections.
+- Results come back as files the ranks write, mapped back as one writable private
+  ``mmap`` per rank (a ``bytearray`` when empty; slice either for bytes), never as
+  shared-memory tensors.
 - Every wait has a deadline. A rank that raises → :class:`RankFailure` ``rank-crashed``
   with its traceback; no answer by the deadline → ``rank-hung``. Either way every rank
   process is terminated and reaped before the error is raised.
@@ -93,10 +95,10 @@ class RankFailure(GpudiagError):
 
 
 def start_method(backend: str) -> str:
-    """``forkserver`` inside :func:`gpudiag.rankserver.warm_ranks`; otherwise ``fork`` for CPU ranks when this
-    process holds no CUDA context and runs no other thread, else forkserver. (A child
-    forked while another thread is inside torch can inherit a lock held forever:
-    measured, the ranks hung until their deadline.)"""
+    """``forkserver`` inside :func:`gpudiag.rankserver.warm_ranks`; otherwise ``fork`` for
+    CPU ranks when this process holds no CUDA context and runs no other thread, else
+    forkserver. (A child forked while another thread is inside torch can inherit a lock
+    held forever: measured, the ranks hung until their deadline.)"""
     import threading
 
     import torch
