@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py
+TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py \
+          diag/rankserver.py diag/rankserver_exit.py diag/vision.py
 
 .PHONY: demo test lint typecheck pytest bench clean
 

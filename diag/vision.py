@@ -46,27 +46,24 @@ def _forwarder(name: str) -> Any:
 def import_torchvision() -> types.ModuleType:
     """``import torchvision``, without paying for ``torch._dynamo`` when it is not loaded yet."""
     if "torchvision" in sys.modules or "torch._dynamo" in sys.modules:
-        import torchvision
-
-        return torchvision
+        return importlib.import_module("torchvision")
     import torch
 
     stand_ins = {name: _StandIn(name) for name in ("torch._dynamo", "torch._dynamo.utils")}
     stand_ins["torch._dynamo"].__path__ = []  # a package, so the submodule import resolves
     sys.modules.update(stand_ins)
     try:
-        import torchvision
-    except Exception:
-        torchvision = None  # type: ignore[assignment]
+        importlib.import_module("torchvision")
+        clean = True
+    except Exception:  # this torchvision wants more of dynamo than the stand-in has
+        clean = False
     finally:
         for name, module in stand_ins.items():
             if sys.modules.get(name) is module:
                 del sys.modules[name]
         if torch.__dict__.get("_dynamo") is stand_ins["torch._dynamo"]:
             del torch._dynamo
-    if torchvision is None:
-        # This torchvision wants more of dynamo: forget the half-imported package, import it plainly.
+    if not clean:  # forget the half-imported package; import it plainly below
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
-        import torchvision
-    return torchvision
+    return importlib.import_module("torchvision")
