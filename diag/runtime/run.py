@@ -228,8 +228,10 @@ class Stepper:
                 break
             self.scaler.update(new_scale=self.scaler.get_scale() / 2)
         if step == 1:
+            # Copied only if something may still change them: a later step, or an update.
+            copy = self.config.steps > 1 or self.updates(step)
             self.first_grads = {
-                n: p.grad.detach().float().cpu().clone()
+                n: _detached_copy(p.grad) if copy else p.grad.detach().float().cpu()
                 for n, p in self.model.named_parameters()
                 if p.grad is not None
             }
@@ -334,6 +336,12 @@ def _to(inputs: Any, devices: DeviceSet) -> Any:
     if isinstance(inputs, tuple):
         return tuple(x.to(target) for x in inputs)
     return inputs.to(target)
+
+
+def _detached_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU copy that shares no memory with ``tensor``."""
+    out = tensor.detach().float().cpu()
+    return out.clone() if out.data_ptr() == tensor.data_ptr() else out
 
 
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
