@@ -156,21 +156,47 @@ class GradcheckReport:
 # -- comparing gradients --------------------------------------------------------------------
 
 
+@dataclass
+class RefSide:
+    """What comparing with a reference needs of the reference alone, for the parameters
+    ``names``: their gradients' norms and the denominators of relative errors (``|b|``,
+    at least 1e-12). Comparisons against the same single run can share it."""
+
+    names: list[str]
+    norms: list[float]
+    scale: list[torch.Tensor]
+
+
+def ref_side(ref: RunResult, names: list[str]) -> RefSide:
+    b_list = [ref.grads[n] for n in names]
+    return RefSide(names, _norms(b_list), torch._foreach_clamp_min(torch._foreach_abs(b_list), 1e-12))
+
+
 def compare(
-    strategy: str, mode: str, world: int, got: RunResult, ref: RunResult, tol: float, order: list[str]
+    strategy: str,
+    mode: str,
+    world: int,
+    got: RunResult,
+    ref: RunResult,
+    tol: float,
+    order: list[str],
+    side: RefSide | None = None,
 ) -> Comparison:
-    """Per-parameter and whole-gradient differences of ``got`` against ``ref``.
+    """Per-parameter and whole-gradient differences of ``got`` against ``ref`` (``side``:
+    the reference's own part, if already computed for these parameters).
 
     Differences are taken in the gradients' dtype (exact for nearby values); the
     per-parameter norms are fused ``torch._foreach_norm`` passes (as ``clip_grad_norm_``
     computes them) and summed in float64; the dot product for the cosine is a BLAS dot."""
     names = [n for n in order if n in ref.grads and n in got.grads]
+    if side is None or side.names != names:
+        side = ref_side(ref, names)
     a_list, b_list = [got.grads[n] for n in names], [ref.grads[n] for n in names]
     deltas = torch._foreach_sub(a_list, b_list) if names else []
     torch._foreach_abs_(deltas)
-    d_norms, b_norms, a_norms = _norms(deltas), _norms(b_list), _norms(a_list)
+    d_norms, b_norms, a_norms = _norms(deltas), side.norms, _norms(a_list)
     p_abs = _maxes(deltas)
-    torch._foreach_div_(deltas, torch._foreach_clamp_min(torch._foreach_abs(b_list), 1e-12))
+    torch._foreach_div_(deltas, side.scale)
     p_rel = _maxes(deltas)
     diffs = []
     sq_delta = sq_ref = sq_got = dot = 0.0
@@ -579,18 +605,18 @@ def gradcheck(
             # BatchNorm in train mode or active dropout: the as-is runs will almost surely
             # differ and need the controlled rerun, so run both modes together.
             factories["controlled"] = Controlled(model_factory)
-        done: dict[tuple[int, int, str], tuple[RunResult, RunResult, Comparison]] = {}
+        comparer = _Comparer(world, tol, traits.order)
 
         def compare_local(runs: dict[str, _Run]) -> None:
             for name, ran in runs.items():
-                _compare_all(ran, name, world, tol, traits.order, done)
+                comparer.all(ran, name)
 
         runs = _run_all(factories, inputs, targets, base, wanted, before_ddp=compare_local)
         outcome = runs[first_mode]
         recorders = _recorders(outcome, first_mode)
         findings += _notes(outcome)
         findings += _failures(outcome, factory, inputs, targets, base, first_mode)
-        comparisons = _compare_all(outcome, first_mode, world, tol, traits.order, done)
+        comparisons = comparer.all(outcome, first_mode)
         findings += _nonfinite(outcome, traits.order)
         unused = _unused_params(outcome, traits.order)
         if unused and not any(f.code == "unused-parameters" for f in findings):
@@ -603,11 +629,7 @@ def gradcheck(
                 )
                 outcome.results["ddp"] = run(factory, inputs, targets, config)
                 outcome.options["ddp"] = {"find_unused_parameters": True}
-                comparisons += [
-                    c
-                    for c in _compare_all(outcome, first_mode, world, tol, traits.order)
-                    if c.strategy == "ddp"
-                ]
+                comparisons += [c for c in comparer.all(outcome, first_mode) if c.strategy == "ddp"]
         findings += _ranks_diverged(outcome)
         unexplained = [
             c
@@ -622,7 +644,7 @@ def gradcheck(
                 findings += _failures(
                     controlled, Controlled(model_factory), inputs, targets, base, "controlled"
                 )
-                again = _compare_all(controlled, "controlled", world, tol, traits.order, done)
+                again = comparer.all(controlled, "controlled")
                 comparisons += again
                 if all(c.ok for c in again) and not controlled.failures:
                     findings += _train_mode_findings(traits, unexplained, confirmed=True)
@@ -743,31 +765,36 @@ def _verdict(comparisons: list[Comparison], findings: list[Finding]) -> str:
     return "explained"
 
 
-def _compare_all(
-    outcome: _Run,
-    mode: str,
-    world: int,
-    tol: float,
-    order: tuple[str, ...],
-    done: dict[tuple[int, int, str], tuple[RunResult, RunResult, Comparison]] | None = None,
-) -> list[Comparison]:
-    """Every strategy of ``outcome`` against its single run; ``done`` keeps comparisons
-    made earlier, by result (and keeps those results alive, so their ids stay theirs),
-    so none is computed twice."""
-    ref = outcome.results.get("single")
-    if ref is None:
-        return []
-    done = {} if done is None else done
-    out = []
-    for strategy, result in outcome.results.items():
-        if strategy != "single":
+class _Comparer:
+    """The comparisons of one gradcheck: each made once, by result (the results are kept,
+    so their ids stay theirs), and each single run's reference side computed once."""
+
+    def __init__(self, world: int, tol: float, order: tuple[str, ...]):
+        self.world, self.tol, self.order = world, tol, list(order)
+        self._done: dict[tuple[int, int, str], tuple[RunResult, RunResult, Comparison]] = {}
+        self._sides: dict[int, tuple[RunResult, RefSide]] = {}
+
+    def all(self, outcome: _Run, mode: str) -> list[Comparison]:
+        """Every strategy of ``outcome`` against its single run."""
+        ref = outcome.results.get("single")
+        if ref is None:
+            return []
+        out = []
+        for strategy, result in outcome.results.items():
+            if strategy == "single":
+                continue
             key = (id(result), id(ref), mode)
-            if key not in done:
-                done[key] = (result, ref, compare(strategy, mode, world, result, ref, tol, list(order)))
-            comparison = done[key][2]
+            if key not in self._done:
+                names = [n for n in self.order if n in ref.grads and n in result.grads]
+                kept = self._sides.get(id(ref))
+                side = kept[1] if kept is not None and kept[1].names == names else ref_side(ref, names)
+                self._sides[id(ref)] = (ref, side)
+                made = compare(strategy, mode, self.world, result, ref, self.tol, self.order, side)
+                self._done[key] = (result, ref, made)
+            comparison = self._done[key][2]
             comparison.options = dict(outcome.options.get(strategy, {}))
             out.append(comparison)
-    return out
+        return out
 
 
 def _notes(outcome: _Run) -> list[Finding]:
@@ -821,7 +848,7 @@ def _failures(
 def _nonfinite(outcome: _Run, order: tuple[str, ...]) -> list[Finding]:
     out = []
     for strategy, result in outcome.results.items():
-        bad = next((n for n in order if n in result.grads and not _finite(result.grads[n])), None)
+        bad = _first_nonfinite(result.grads, order)
         bad_step = next((i + 1 for i, loss in enumerate(result.losses) if not math.isfinite(loss)), None)
         if bad is None and bad_step is None:
             continue
@@ -876,9 +903,13 @@ def _nonfinite(outcome: _Run, order: tuple[str, ...]) -> list[Finding]:
     return out
 
 
-def _finite(tensor: torch.Tensor) -> bool:
-    """All values finite (a float64 norm is finite exactly when they are; fast on the CPU)."""
-    return math.isfinite(float(torch.linalg.vector_norm(tensor, dtype=torch.float64)))
+def _first_nonfinite(grads: dict[str, torch.Tensor], order: tuple[str, ...]) -> str | None:
+    """The first parameter (in module order) whose gradient holds a NaN or an Inf: a norm
+    is finite exactly when every value is (``_norms`` retakes in float64 any that only
+    overflowed), so one fused pass tells."""
+    names = [n for n in order if n in grads]
+    norms = _norms([grads[n] for n in names])
+    return next((n for n, norm in zip(names, norms, strict=True) if not math.isfinite(norm)), None)
 
 
 def _unused_params(outcome: _Run, order: tuple[str, ...]) -> list[str]:
