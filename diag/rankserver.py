@@ -70,7 +70,8 @@ def warm_ranks(preload: Sequence[str] = DDP_PRELOAD) -> Iterator[None]:
     global _warm
     from multiprocessing import forkserver
 
-    if torchrun_env() or not shared_memory_room():  # nothing to warm: ranks are forked
+    usable = "forkserver" in mp.get_all_start_methods() and shared_memory_room()
+    if torchrun_env() or not usable:  # nothing to warm: ranks are forked (or torchrun's)
         yield
         return
 
