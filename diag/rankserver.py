@@ -3,8 +3,8 @@
 A command that will launch DDP ranks enters :func:`warm_ranks` first thing, before it
 imports torch. The server (Python's ``multiprocessing`` forkserver: a fresh interpreter
 that imports ``preload`` once and forks every rank from itself) then imports torch,
-``torch._dynamo`` (which DDP's constructor imports) and the model's library on another
-core while this process imports torch and runs the in-process strategies, and every
+``torch._dynamo`` (which DDP's constructor imports) and torchvision on another core
+while this process imports torch and runs the in-process strategies, and every
 rank starts with all of it imported. Inside the block
 :func:`gpudiag.runtime.launch.start_method` picks the forkserver, so the rank function
 and its arguments must be picklable. The server stays up, for later blocks too, until

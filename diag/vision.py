@@ -12,7 +12,8 @@ dynamo lazily, and torchvision meant not to import it eagerly either (pytorch/vi
 stand-in whose ``is_compile_supported`` imports the real one on its first call, and
 removes the stand-in before it returns, so everything after it (``torch.compile``, DDP,
 the user's code) imports the real dynamo as usual. If torchvision asks the stand-in for
-anything else, the attempt is undone and torchvision is imported the ordinary way.
+anything else, or keeps a reference to it, the attempt is undone and torchvision is
+imported the ordinary way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from collections.abc import Iterable
 from typing import Any
 
 #: What torchvision takes from ``torch._dynamo.utils`` when it is imported.
@@ -43,6 +45,14 @@ def _forwarder(name: str) -> Any:
     return forward
 
 
+def _holds(stand_ins: Iterable[types.ModuleType]) -> bool:
+    """Whether a torchvision module kept a stand-in itself (``import torch._dynamo`` at
+    module level, used later): then the stand-in would be asked for more later on."""
+    kept = {id(m) for m in stand_ins}
+    modules = [m for n, m in list(sys.modules.items()) if n == "torchvision" or n.startswith("torchvision.")]
+    return any(id(value) in kept for m in modules for value in vars(m).values())
+
+
 def import_torchvision() -> types.ModuleType:
     """``import torchvision``, without paying for ``torch._dynamo`` when it is not loaded yet."""
     if "torchvision" in sys.modules or "torch._dynamo" in sys.modules:
@@ -54,7 +64,7 @@ def import_torchvision() -> types.ModuleType:
     sys.modules.update(stand_ins)
     try:
         importlib.import_module("torchvision")
-        clean = True
+        clean = not _holds(stand_ins.values())
     except Exception:  # this torchvision wants more of dynamo than the stand-in has
         clean = False
     finally:

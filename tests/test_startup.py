@@ -59,6 +59,19 @@ def test_torchvision_that_wants_more_of_dynamo_is_imported_plainly() -> None:
     assert out.split() == ["True", "3"]
 
 
+def test_a_torchvision_module_keeping_the_stand_in_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from gpudiag import vision
+
+    stand_in = vision._StandIn("torch._dynamo")
+    kept = types.ModuleType("torchvision._gpudiag_test")
+    monkeypatch.setitem(sys.modules, kept.__name__, kept)
+    assert not vision._holds([stand_in])
+    kept.dynamo = stand_in  # as `import torch._dynamo as dynamo` at module level would
+    assert vision._holds([stand_in])
+
+
 def test_the_rank_forkserver_starts_before_torch_is_imported() -> None:
     out = python(
         "import sys, gpudiag.rankserver as r\n"
