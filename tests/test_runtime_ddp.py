@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,6 +141,32 @@ def test_hung_rank_is_a_finding_after_the_timeout_and_leaves_no_process() -> Non
     assert "3 s" in str(info.value)
     assert 3 <= time.monotonic() - start < 60  # generous: a loaded CI machine reaps slowly
     assert children() == []
+
+
+def test_ranks_from_the_warmed_forkserver_are_reaped_when_they_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from gpudiag import rankserver
+
+    launch_module = importlib.import_module(
+        "gpudiag.runtime.launch"
+    )  # (the package's `launch` is the function)
+
+    started: list[int] = []
+    real_close = launch_module.Ranks.close
+
+    def close(self: Any) -> None:
+        started.extend(p.pid for p in self.procs)
+        real_close(self)
+
+    monkeypatch.setattr(launch_module.Ranks, "close", close)
+    x, y = models.batch(8)
+    with rankserver.warm_ranks(), pytest.raises(RankFailure) as info:
+        assert launch_module.start_method("gloo") == "forkserver"
+        run(models.Hangs, x, y, RunConfig("ddp", TWO, timeout=3))
+    assert info.value.code == "rank-hung"
+    assert len(started) == 2
+    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()]  # (not our children: the server's)
 
 
 def _rank_bytes(rank: int, world: int) -> bytes:
