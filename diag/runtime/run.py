@@ -228,8 +228,8 @@ class Stepper:
                 break
             self.scaler.update(new_scale=self.scaler.get_scale() / 2)
         if step == 1:
-            # Copied only if something may still change them: a later step, or an update.
-            copy = self.config.steps > 1 or self.updates(step)
+            # Copied only if something may still change them: an update (or a later step).
+            copy = self.updates(step)
             self.first_grads = {
                 n: _detached_copy(p.grad) if copy else p.grad.detach().float().cpu()
                 for n, p in self.model.named_parameters()
