@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py \
-          diag/rankserver.py diag/rankserver_exit.py diag/vision.py
+          diag/runtime/numerics.py diag/runtime/launch.py diag/runtime/rank_process.py
 
 .PHONY: demo test lint typecheck pytest bench clean
 

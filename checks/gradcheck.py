@@ -22,9 +22,7 @@ not exceed ``torch.testing.assert_close``'s default rtol for the dtype times
 from __future__ import annotations
 
 import contextlib
-import io
 import math
-import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,10 +31,10 @@ import torch
 from torch import nn
 
 from gpudiag.findings import Finding
-from gpudiag.models import USER_MODULE_PREFIX
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.ddp import forks, start_ddp
+from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import DTYPES, ModelFn
 
@@ -121,6 +119,8 @@ class GradcheckReport:
     findings: list[Finding]
     config: dict[str, Any]
     recorders: dict[str, Recorder] = field(default_factory=dict)  # per run, for --trace
+    #: the numeric settings each process computed under: "single", "dp", "ddp rank 0", …
+    numerics: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line per comparison and finding, for assertion messages and logs."""
@@ -147,6 +147,7 @@ class GradcheckReport:
             "reference": "single",
             "tolerance": self.tolerance,
             "settings": self.settings,
+            "numerics": self.numerics,
             "config": self.config,
             "comparisons": [c.to_json() for c in self.comparisons],
             "findings": [f.to_json() for f in self.findings],
@@ -316,7 +317,6 @@ class Prebuilt:
         self.template: nn.Module | None = None
         self.rng_after: torch.Tensor | None = None
         self.unwrapped: list[str] = []
-        self.portable: bool | None = None  # see __reduce__
 
     def __call__(self) -> nn.Module:
         import copy
@@ -334,53 +334,17 @@ class Prebuilt:
         return copy.deepcopy(self.template)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled (for ranks started by a forkserver) with the parent's template, so the
+        """Pickled (for DDP ranks in fresh interpreters) with the parent's template, so the
         rank's copies equal the parent's even for a factory whose own randomness torch's
-        seed does not cover: the template itself where it pickles by name (no rebuild:
-        0.18 s less per launch for resnet18), else the factory plus the template's state —
-        the rank builds the model once and loads the weights (a class from a user's file
-        is loaded under a private name no other process can import)."""
+        seed does not cover, and the rank builds nothing."""
         if self.template is None:
             return (Prebuilt, (self.factory,))
-        if self.portable is None:
-            self.portable = _portable(self.template)
-        if self.portable:
-            return (_copied, (self.factory, self.template, self.rng_after, self.unwrapped))
-        return (_rebuilt, (self.factory, self.template.state_dict(), self.rng_after, self.unwrapped))
-
-
-def _portable(model: nn.Module) -> bool:
-    """Whether ``model`` pickles and can be unpickled in another process: no class from a
-    user's file, nothing unpicklable (a hook, a lambda). Checked without copying tensors."""
-    if any(type(m).__module__.startswith(USER_MODULE_PREFIX) for m in model.modules()):
-        return False
-
-    class Probe(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            return id(obj) if isinstance(obj, (torch.Tensor, torch.UntypedStorage)) else None
-
-    try:
-        Probe(io.BytesIO()).dump(model)
-    except Exception:
-        return False
-    return True
+        return (_copied, (self.factory, self.template, self.rng_after, self.unwrapped))
 
 
 def _copied(factory: ModelFn, template: nn.Module, rng_after: torch.Tensor, unwrapped: list[str]) -> Prebuilt:
     prebuilt = Prebuilt(factory)
     prebuilt.template, prebuilt.rng_after, prebuilt.unwrapped = template, rng_after, unwrapped
-    return prebuilt
-
-
-def _rebuilt(
-    factory: ModelFn, state: dict[str, torch.Tensor], rng_after: torch.Tensor, unwrapped: list[str]
-) -> Prebuilt:
-    from gpudiag.models import unwrap
-
-    prebuilt = Prebuilt(factory)
-    prebuilt.template, _ = unwrap(factory())
-    prebuilt.template.load_state_dict(state)
-    prebuilt.rng_after, prebuilt.unwrapped = rng_after, unwrapped
     return prebuilt
 
 
@@ -404,30 +368,6 @@ class Controlled:
 
 
 # -- running --------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def comparison_settings() -> Iterator[dict[str, Any]]:
-    """TF32 and cuDNN autotuning off (and deterministic cuDNN) for the comparison."""
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.benchmark,
-        torch.backends.cudnn.deterministic,
-    )
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    try:
-        yield {"tf32": "off", "cudnn_benchmark": "off", "cudnn_deterministic": "on"}
-    finally:
-        (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.backends.cudnn.benchmark,
-            torch.backends.cudnn.deterministic,
-        ) = saved
 
 
 def default_devices(world_size: int) -> DeviceSet:
@@ -578,8 +518,10 @@ def gradcheck(
     world = len(devices)
     tol = tolerance(dtype)
     model_factory = Prebuilt(model_factory)
-    torch.manual_seed(seed)
-    traits = inspect_model(model_factory())
+    numerics = Numerics.comparison()
+    with numerics.applied():  # the model is built (and its dtype chosen) under them too
+        torch.manual_seed(seed)
+        traits = inspect_model(model_factory())
     base = RunConfig(
         "single",
         devices,
@@ -593,11 +535,12 @@ def gradcheck(
         sync_batchnorm=sync_batchnorm,
         timeout=timeout,
         keep_state=steps > 1,
+        numerics=numerics,
     )
     wanted = [s for s in strategies if s != "single"]
     batch = len(targets)
     findings: list[Finding] = []
-    with comparison_settings() as settings:
+    with numerics.applied():  # here; every rank sets them itself (RunConfig.numerics)
         first_mode = "controlled" if mode == "controlled" else "as-is"
         factory = Controlled(model_factory) if first_mode == "controlled" else model_factory
         factories: dict[str, ModelFn] = {first_mode: factory}
@@ -615,6 +558,8 @@ def gradcheck(
         outcome = runs[first_mode]
         recorders = _recorders(outcome, first_mode)
         findings += _notes(outcome)
+        seen = _numerics_seen(outcome)
+        findings += _numerics_differ(numerics, seen)
         findings += _failures(outcome, factory, inputs, targets, base, first_mode)
         comparisons = comparer.all(outcome, first_mode)
         findings += _nonfinite(outcome, traits.order)
@@ -693,7 +638,8 @@ def gradcheck(
             "basis": f"torch.testing.assert_close rtol "
             f"{ASSERT_CLOSE_RTOL[dtype]:g} x {TOLERANCE_HEADROOM:g}, on the whole gradient",
         },
-        settings=settings,
+        settings={"numerics": numerics.summary()},
+        numerics={name: n.to_json() for name, n in seen.items()},
         comparisons=comparisons,
         findings=findings,
         config={
@@ -803,6 +749,60 @@ def _notes(outcome: _Run) -> list[Finding]:
         for note in result.notes:
             seen.setdefault((note.code, note.message), note)
     return list(seen.values())
+
+
+def _numerics_seen(outcome: _Run) -> dict[str, Numerics]:
+    """The numeric settings each process of ``outcome`` reported, by process name."""
+    seen: dict[str, Numerics] = {}
+    for strategy, result in outcome.results.items():
+        if strategy == "ddp":
+            seen.update({f"ddp rank {r}": n for r, n in enumerate(result.numerics)})
+        elif result.numerics:
+            seen[strategy] = result.numerics[0]
+    return seen
+
+
+def _numerics_differ(wanted: Numerics, seen: dict[str, Numerics]) -> list[Finding]:
+    """An error for every process that computed under other numeric settings than the
+    reference (its gradients would differ for that reason alone); a warning when the
+    reference itself ran under other settings than the comparison asked for (something
+    in the model changed them: every process alike, so the comparison still holds)."""
+    reference = seen.get("single")
+    if reference is None:
+        return []
+    findings = []
+    changed = wanted.differences(reference)
+    if changed:
+        findings.append(
+            Finding(
+                "numerics-changed",
+                "warning",
+                "the model changed torch's numeric settings while it was built or run: "
+                + _differences_text(changed),
+                {"wanted": wanted.to_json(), "seen": reference.to_json()},
+                fix="leave TF32, cuDNN and deterministic-algorithm flags alone inside the model",
+            )
+        )
+    for name, got in seen.items():
+        differences = reference.differences(got)
+        if differences:
+            findings.append(
+                Finding(
+                    "numerics-differ",
+                    "error",
+                    f"{name} computed under other numeric settings than single: "
+                    + _differences_text(differences),
+                    {"process": name, "single": reference.to_json(), "seen": got.to_json()},
+                    cause="the processes of the comparison did not run the same kernels, so their "
+                    "gradients differ for that reason alone",
+                    fix="report this as a gpudiag bug, with the output of --format json",
+                )
+            )
+    return findings
+
+
+def _differences_text(differences: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {a} → {b}" for k, (a, b) in differences.items())
 
 
 def _failures(

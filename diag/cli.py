@@ -135,8 +135,8 @@ def topology(
 
 
 def _dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    """``3,32,32`` → (3, 32, 32). (Parsed here, without importing torch: a command that
-    launches DDP ranks starts their forkserver before torch loads.)"""
+    """``3,32,32`` → (3, 32, 32), parsed without importing torch (``--help`` and bad
+    arguments answer at once)."""
     try:
         dims = tuple(int(d) for d in value.split(","))
     except ValueError:
@@ -154,15 +154,6 @@ def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     if bad or not names:
         raise click.BadParameter(f"expected a list of single, dp, ddp; got {value!r}", ctx=ctx, param=param)
     return names
-
-
-def _warm_ddp_ranks(strategies: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
-    """Called before torch is imported: start the forkserver that DDP's ranks will come
-    from, so it imports torch, dynamo and torchvision on the other core while
-    this process imports and runs the in-process strategies (see ``warm_ranks``)."""
-    from gpudiag.rankserver import warm_ranks
-
-    return warm_ranks() if "ddp" in strategies else contextlib.nullcontext()
 
 
 @cli.command()
@@ -232,10 +223,9 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
     Exit 0 for pass or explained (1 with --strict), 1 for fail.
     """
-    with _warm_ddp_ranks(options["strategies"]):
-        from gpudiag.checks.gradcheck import gradcheck_spec
+    from gpudiag.checks.gradcheck import gradcheck_spec
 
-        report = gradcheck_spec(**options)
+    report = gradcheck_spec(**options)
     from gpudiag.render import render
     from gpudiag.runtime.record import write_trace
 

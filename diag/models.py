@@ -11,7 +11,8 @@ Grammar (shared by ``gradcheck``, ``nancheck`` and ``ckpt``):
   (see :data:`BUILTINS`); they adapt to ``--input-shape`` and ``--num-classes``.
 
 The factory is called with the keyword arguments and must return an ``nn.Module``.
-Resolved factories are picklable (rank processes started by forkserver can rebuild them).
+Resolved factories are picklable: DDP ranks in fresh interpreters rebuild them (a file's
+module travels by value through cloudpickle, so its classes need not be importable there).
 This module imports torch; commands import it only when they run.
 A spec that cannot be resolved is an :class:`~gpudiag.errors.InputError` (exit 2) saying
 what was tried.
@@ -91,10 +92,8 @@ class ModelFactory:
 
 
 def _torchvision() -> Any:
-    from gpudiag.vision import import_torchvision
-
     try:
-        return import_torchvision()
+        return importlib.import_module("torchvision")
     except ImportError as exc:
         raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
 
@@ -118,6 +117,11 @@ def _load_file(path: str) -> Any:
     except Exception as exc:
         del sys.modules[name]
         raise InputError(f"{path} failed to import: {type(exc).__name__}: {exc}") from exc
+    # No other process can import it by that name: its functions and classes (a model
+    # built from it, sent to DDP ranks) are pickled by value.
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
     return module
 
 

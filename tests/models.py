@@ -1,4 +1,4 @@
-"""Small models for runtime tests (module-level, so forkserver/spawn can pickle them)."""
+"""Small models for runtime tests (module-level: fresh-interpreter ranks import them by name)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ def test_plain_mlp_passes() -> None:
     assert doc["schema"] == "gpudiag.gradcheck/1"
     assert doc["verdict"] == "pass" and doc["reference"] == "single"
     assert doc["tolerance"]["rel_norm_err"] == pytest.approx(1.3e-5)
-    assert doc["settings"]["tf32"] == "off"
+    assert doc["settings"]["numerics"].startswith("fp32 ieee everywhere; cuDNN benchmark off")
+    assert set(doc["numerics"]) == {"single", "dp", "ddp rank 0", "ddp rank 1"}
     assert [(c["strategy"], c["mode"], c["ok"]) for c in doc["comparisons"]] == [
         ("dp", "as-is", True),
         ("ddp", "as-is", True),

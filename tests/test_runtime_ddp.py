@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpudiag.errors import InputError
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
 from gpudiag.runtime.launch import launch
 from tests import models
@@ -22,9 +23,8 @@ ROOT = Path(__file__).parent.parent
 TWO = DeviceSet.virtual(2)
 
 
-#: multiprocessing's own helpers, which live as long as this process: the forkserver the
-#: CLI warms for DDP ranks (gpudiag.rankserver) and the resource tracker.
-HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+#: multiprocessing's own helper, which lives as long as this process: the resource tracker.
+HELPERS = (b"multiprocessing.resource_tracker",)
 
 
 def children() -> list[int]:
@@ -143,15 +143,12 @@ def test_hung_rank_is_a_finding_after_the_timeout_and_leaves_no_process() -> Non
     assert children() == []
 
 
-def test_ranks_from_the_warmed_forkserver_are_reaped_when_they_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_interpreter_ranks_are_reaped_when_they_hang(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
-
-    from gpudiag import rankserver
 
     launch_module = importlib.import_module(
         "gpudiag.runtime.launch"
-    )  # (the package's `launch` is the function)
-
+    )  # (the package's `launch` is a function)
     started: list[int] = []
     real_close = launch_module.Ranks.close
 
@@ -160,13 +157,14 @@ def test_ranks_from_the_warmed_forkserver_are_reaped_when_they_hang(monkeypatch:
         real_close(self)
 
     monkeypatch.setattr(launch_module.Ranks, "close", close)
+    monkeypatch.setenv("GPUDIAG_RANK_START", "subprocess")
     x, y = models.batch(8)
-    with rankserver.warm_ranks(), pytest.raises(RankFailure) as info:
-        assert launch_module.start_method("gloo") == "forkserver"
-        run(models.Hangs, x, y, RunConfig("ddp", TWO, timeout=3))
+    with pytest.raises(RankFailure) as info:
+        assert launch_module.start_method("gloo") == "subprocess"
+        run(models.Hangs, x, y, RunConfig("ddp", TWO, timeout=8))
     assert info.value.code == "rank-hung"
     assert len(started) == 2
-    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()]  # (not our children: the server's)
+    assert children() == []
 
 
 def _rank_bytes(rank: int, world: int) -> bytes:
@@ -213,21 +211,34 @@ def test_packed_tensors_come_back_from_every_rank_bit_for_bit() -> None:
     assert unpack(b"".join(_rank_tensors(1, 2)))["grads"]["w"][0, 0].item() == 1.0
 
 
-def test_ranks_are_not_forked_beside_another_thread() -> None:
-    """fork() beside a running thread can leave the child a lock that is never released."""
+def test_ranks_are_not_forked_beside_another_thread_or_a_cuda_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fork() beside a running thread can leave the child a lock that is never released,
+    and a CUDA context does not survive it."""
     import threading
 
     from gpudiag.runtime.launch import start_method
 
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # whatever ran before here
     assert start_method("gloo") == "fork"
+    assert start_method("nccl") == "subprocess"
     stop = threading.Event()
     worker = threading.Thread(target=stop.wait)
     worker.start()
     try:
-        assert start_method("gloo") == "forkserver"
+        assert start_method("gloo") == "subprocess"
     finally:
         stop.set()
         worker.join()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert start_method("gloo") == "subprocess"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("GPUDIAG_RANK_START", "subprocess")
+    assert start_method("gloo") == "subprocess"
+    monkeypatch.setenv("GPUDIAG_RANK_START", "spawn")
+    with pytest.raises(InputError, match="GPUDIAG_RANK_START='spawn': expected auto or subprocess"):
+        start_method("gloo")
 
 
 def test_two_runs_at_once_do_not_collide() -> None:

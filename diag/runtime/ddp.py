@@ -26,7 +26,8 @@ import torch.distributed as dist
 from gpudiag.errors import InputError
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
-from gpudiag.runtime.launch import Ranks, start, start_method
+from gpudiag.runtime.launch import Ranks, UnpicklableJob, start, start_method
+from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.run import (
     ModelFn,
@@ -36,6 +37,7 @@ from gpudiag.runtime.run import (
     build_model,
     digest,
     micro_batches,
+    numerics_of,
     pack,
     recorder_from_data,
     recorder_to_data,
@@ -141,13 +143,21 @@ def start_ddp(jobs: Sequence[tuple[ModelFn, RunConfig]], inputs: Any, targets: t
         # the fork, rather than once in every rank.
         importlib.import_module("torch._dynamo")
     origin = time.perf_counter()
-    ranks = start(
-        _rank,
-        world,
-        backend=backend,
-        timeout=sum(c.timeout for c in configs),
-        args=(list(jobs), inputs, targets, origin),
-    )
+    try:
+        ranks = start(
+            _rank,
+            world,
+            backend=backend,
+            timeout=sum(c.timeout for c in configs),
+            args=(list(jobs), inputs, targets, origin),
+        )
+    except UnpicklableJob as exc:
+        raise UnpicklableJob(
+            "the DDP ranks start as fresh Python processes here (CUDA in use, other threads "
+            "running, or GPUDIAG_RANK_START=subprocess), and the model factory or the loss "
+            f"cannot be sent to them ({str(exc).split(': ', 1)[-1]}): make them picklable, "
+            "e.g. without open files, locks or CUDA streams inside"
+        ) from exc
     return DdpRuns(ranks, configs, origin)
 
 
@@ -157,7 +167,7 @@ def _backend(devices: DeviceSet) -> str:
 
 def forks(devices: DeviceSet) -> bool:
     """Whether DDP ranks on ``devices`` would be forked from this process now (so they
-    start at once), rather than come from a forkserver (see ``launch.start_method``)."""
+    start at once), rather than start as fresh interpreters (see ``launch.start_method``)."""
     return start_method(_backend(devices)) == "fork"
 
 
@@ -191,6 +201,7 @@ class DdpRuns:
             rank_losses=[r["losses"] for r in ranks],
             rank_digests=[r["digests"] for r in ranks],
             initial_params=first["initial"],
+            numerics=[Numerics.from_json(r["numerics"]) for r in ranks],
         )
 
     def __enter__(self) -> "DdpRuns":
@@ -248,7 +259,21 @@ def _train(
     config: RunConfig,
     origin: float,
 ) -> dict[str, Any]:
-    """One DDP run on this rank: build, wrap, train on the shard, return what happened."""
+    """One DDP run on this rank under the run's numeric settings: build, wrap, train on
+    the shard, return what happened."""
+    with numerics_of(config):
+        return _train_as_set(rank, world, model_fn, inputs, targets, config, origin)
+
+
+def _train_as_set(
+    rank: int,
+    world: int,
+    model_fn: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    config: RunConfig,
+    origin: float,
+) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = config.devices.kind == "cuda"
@@ -309,4 +334,5 @@ def _train(
         "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()} if send_state else {},
         "recorder": recorder_to_data(recorder),
         "initial": initial,
+        "numerics": Numerics.observe().to_json(),
     }

@@ -5,19 +5,26 @@ an initialised ``torch.distributed`` process group and returns the bytes of ever
 rank order. ``fn`` returns bytes, or a list of byte chunks to be joined (written one
 after the other, without copying them first: see :func:`gpudiag.runtime.run.pack`).
 
-- Local launch: one process per rank. ``fork`` when the parent holds no CUDA context
-  (no fresh interpreter, no second torch import: ranks start in milliseconds);
-  ``forkserver`` otherwise — the one :mod:`gpudiag.rankserver` warmed, or one with torch
-  preloaded. :func:`start` returns once the ranks are started; :func:`launch` also
-  waits. The rendezvous is a FileStore in a private temporary folder, so no port is
-  chosen and concurrent runs cannot collide; gloo/nccl pick free ephemeral ports for
-  their own connections.
+- Local launch: one process per rank. ``fork`` when the parent holds no CUDA context and
+  runs no other thread (no fresh interpreter, no second torch import: ranks start in
+  milliseconds); otherwise a fresh interpreter per rank (``python -m
+  gpudiag.runtime.rank_process``), which neither re-imports the parent's ``__main__`` nor
+  needs the parent's modules to be importable by name. Such ranks get ``fn`` and
+  ``args`` from one file per launch, written once with ``torch.save`` and cloudpickle
+  (tensors as the file's records, whatever their number or size; functions and classes
+  defined in ``__main__``, a notebook or a function travel by value), in the launch's
+  private folder, never through ``/dev/shm``. ``GPUDIAG_RANK_START=subprocess`` asks for
+  fresh interpreters even where forking would do. The rendezvous is a FileStore in that
+  folder, so no port is chosen and concurrent runs cannot collide; gloo/nccl pick free
+  ephemeral ports for their own connections. :func:`start` returns once the ranks are
+  started; :func:`launch` also waits.
 - Results come back as files the ranks write, mapped back as one writable private
   ``mmap`` per rank (a ``bytearray`` when empty; slice either for bytes), never as
   shared-memory tensors.
 - Every wait has a deadline. A rank that raises → :class:`RankFailure` ``rank-crashed``
   with its traceback; no answer by the deadline → ``rank-hung``. Either way every rank
-  process is terminated and reaped before the error is raised.
+  process is terminated and reaped before the error is raised; a rank whose launcher is
+  gone (killed before it could reap) leaves within a second.
 - Inside :func:`rank_logs` each rank's stdout and stderr go to a file per rank (with
   ``NCCL_DEBUG=INFO`` for NCCL ranks, unless set): the per-rank logs of a bug report.
 - Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) nothing is
@@ -35,16 +42,17 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpudiag import rankserver
-from gpudiag.errors import EXIT_PROBLEM, GpudiagError
+from gpudiag.errors import EXIT_PROBLEM, GpudiagError, InputError
 from gpudiag.findings import Finding
 
 Payload = bytes | Sequence[bytes | memoryview]
@@ -53,6 +61,10 @@ RankFn = Callable[..., Payload]
 _POLL_S = 0.02
 _GRACE_S = 2.0
 _SETTLE_S = 0.3
+_PARENT_POLL_S = 0.5
+#: The environment variable that picks how ranks start: ``auto`` (default) or ``subprocess``.
+START_VARIABLE = "GPUDIAG_RANK_START"
+JOB_FILE = "job.pt"
 #: Where ranks write their logs while :func:`rank_logs` is active (None: inherit the parent's).
 _log_folder: Path | None = None
 _launches = itertools.count(1)  # numbers the launches inside one rank_logs() block
@@ -94,20 +106,28 @@ class RankFailure(GpudiagError):
         return Finding(self.code, "error", str(self), {"rank": self.rank, "detail": self.detail}, fix=fix)
 
 
-def start_method(backend: str) -> str:
-    """``forkserver`` inside :func:`gpudiag.rankserver.warm_ranks`; otherwise ``fork`` for
-    CPU ranks when this process holds no CUDA context and runs no other thread, else
-    forkserver. (A child forked while another thread is inside torch can inherit a lock
-    held forever: measured, the ranks hung until their deadline.)"""
-    import threading
+def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process was started by torchrun (or another env:// launcher)."""
+    env = os.environ if env is None else env
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
+
+def start_method(backend: str) -> str:
+    """``fork`` for CPU ranks when this process holds no CUDA context and runs no other
+    thread; else ``subprocess`` (a fresh interpreter per rank). A CUDA context does not
+    survive a fork, and a child forked while another thread is inside torch can inherit a
+    lock held forever (measured: the ranks hung until their deadline), as in a notebook,
+    whose kernel runs threads of its own. ``GPUDIAG_RANK_START=subprocess`` forces fresh
+    interpreters."""
     import torch
 
-    if rankserver.warm():
-        return "forkserver"
-    if backend == "gloo" and not torch.cuda.is_initialized() and threading.active_count() == 1:
+    wanted = os.environ.get(START_VARIABLE, "auto").strip().lower() or "auto"
+    if wanted not in ("auto", "subprocess"):
+        raise InputError(f"{START_VARIABLE}={wanted!r}: expected auto or subprocess")
+    forkable = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
+    if wanted == "auto" and forkable and backend == "gloo" and not torch.cuda.is_initialized():
         return "fork"
-    return "forkserver"
+    return "subprocess"
 
 
 def launch(
@@ -121,9 +141,10 @@ def launch(
 ) -> list[Result]:
     """Run ``fn(rank, world_size, *args)`` on every rank; the bytes each returned.
 
-    ``method`` forces a start method (``fork``, ``forkserver``, ``spawn``; default: the
-    cheapest safe one, see :func:`start_method`). ``fn`` and ``args`` must be picklable
-    unless the method is ``fork``.
+    ``method`` forces a start method (``fork`` or ``subprocess``; default: the cheapest
+    safe one, see :func:`start_method`). Unless the method is ``fork``, ``fn`` and
+    ``args`` must pickle with cloudpickle (:class:`UnpicklableJob` otherwise, before any
+    rank starts).
     """
     with start(fn, world_size, backend=backend, timeout=timeout, args=args, method=method) as ranks:
         return ranks.wait()
@@ -170,29 +191,136 @@ def start(
     """Start the ranks of :func:`launch` and return at once, so this process can work
     while they run; use the result as a context manager. Under torchrun this process is
     a rank itself, so ``fn`` runs here before ``start`` returns."""
-    if rankserver.torchrun_env():
+    if torchrun_env():
         return Ranks([], None, 0.0, timeout, _join_torchrun(fn, backend, timeout, args))
     method = method or start_method(backend)
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["torch"])
+    if method not in ("fork", "subprocess"):
+        raise ValueError(f"unknown start method {method!r}: expected fork or subprocess")
     folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
     logs = None if _log_folder is None else str(_log_folder / f"launch{next(_launches)}")
     ranks = Ranks([], folder, time.monotonic() + timeout, timeout)
     try:
+        if method == "subprocess":
+            _write_job(folder / JOB_FILE, fn, args)
         for rank in range(world_size):
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(fn, rank, world_size, backend, str(folder), timeout, args, logs),
-                name=f"gpudiag-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
+            spec = _RankSpec(rank, world_size, backend, str(folder), timeout, logs, os.getpid())
+            if method == "fork":
+                proc: Any = mp.get_context("fork").Process(
+                    target=_rank_main, args=(spec, fn, args), name=f"gpudiag-rank{rank}", daemon=True
+                )
+                proc.start()
+            else:
+                proc = _FreshRank.start(spec)
             ranks.procs.append(proc)
     except BaseException:
         ranks.close()
         raise
     return ranks
+
+
+class UnpicklableJob(InputError):
+    """The rank function or its arguments cannot be sent to ranks in fresh interpreters."""
+
+
+def _write_job(path: Path, fn: RankFn, args: tuple[Any, ...]) -> None:
+    """``(fn, args)`` into one file for the ranks to load: ``torch.save`` with cloudpickle,
+    so tensors are records of the file (no file descriptor or shared memory each) and
+    functions and classes that cannot be imported by name are pickled by value."""
+    import cloudpickle
+    import torch
+
+    try:
+        torch.save((fn, args), path, pickle_module=cloudpickle)
+    except Exception as exc:
+        path.unlink(missing_ok=True)
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise UnpicklableJob(
+            f"cannot send {getattr(fn, '__name__', 'the rank function')}'s work to ranks started as "
+            f"fresh Python processes: {type(exc).__name__}: {reason}"
+        ) from exc
+
+
+def _load_job(folder: str) -> tuple[RankFn, tuple[Any, ...]]:
+    """The ``(fn, args)`` :func:`_write_job` wrote. The file is this launch's own, in a
+    folder only this user can write (``mkdtemp``), hence ``weights_only=False``."""
+    import torch
+
+    fn, args = torch.load(Path(folder) / JOB_FILE, weights_only=False)
+    return fn, tuple(args)
+
+
+class _RankSpec:
+    """Where a rank fits: its number, the group, the launch folder, the log prefix and
+    the pid of the process that launched it."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        folder: str,
+        timeout: float,
+        logs: str | None,
+        parent: int,
+    ):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.folder, self.timeout, self.logs, self.parent = folder, timeout, logs, parent
+
+    def argv(self) -> list[str]:
+        return [
+            str(self.rank),
+            str(self.world_size),
+            self.backend,
+            self.folder,
+            repr(self.timeout),
+            self.logs or "",
+            str(self.parent),
+        ]
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> _RankSpec:
+        rank, world, backend, folder, timeout, logs, parent = argv
+        return cls(int(rank), int(world), backend, folder, float(timeout), logs or None, int(parent))
+
+
+class _FreshRank:
+    """A rank in a fresh interpreter, with the parts of ``multiprocessing.Process``'s
+    interface that :func:`_wait` and :func:`_reap` use."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]):
+        self.popen = popen
+
+    @classmethod
+    def start(cls, spec: _RankSpec) -> _FreshRank:
+        env = dict(os.environ)
+        # The parent's import path, so a factory named by module resolves in the rank too.
+        paths = [os.path.abspath(p or os.curdir) for p in sys.path]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, *filter(None, [env.get("PYTHONPATH")])]))
+        argv = [sys.executable, "-m", "gpudiag.runtime.rank_process", *spec.argv()]
+        return cls(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
 
 
 def _wait(procs: list[Any], folder: Path, deadline: float, timeout: float) -> list[Result]:
@@ -270,24 +398,21 @@ def _reap(procs: list[Any]) -> None:
             proc.join()
 
 
-def _rank_main(
-    fn: RankFn,
-    rank: int,
-    world_size: int,
-    backend: str,
-    folder: str,
-    timeout: float,
-    args: tuple[Any, ...],
-    logs: str | None = None,
-) -> None:
-    """Body of a rank process: join the group, run, write the result or the traceback."""
+def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] = ()) -> None:
+    """Body of a rank process: join the group, run, write the result or the traceback.
+    ``fn`` None: a fresh interpreter, which loads ``fn`` and ``args`` from the launch's
+    job file."""
     code = 0
+    rank, world_size, backend, folder = spec.rank, spec.world_size, spec.backend, spec.folder
     try:
-        if logs is not None:
-            _log_to(f"{logs}-rank{rank}.log", rank, world_size, backend)
+        _leave_with_parent(spec.parent)
+        if spec.logs is not None:
+            _log_to(f"{spec.logs}-rank{rank}.log", rank, world_size, backend)
         import torch
         import torch.distributed as dist
 
+        if fn is None:
+            fn, args = _load_job(folder)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
         dist.init_process_group(
@@ -295,7 +420,7 @@ def _rank_main(
             init_method=f"file://{folder}/store",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=spec.timeout),
         )
         payload = fn(rank, world_size, *args)
         # The result is safe on disk before the group is torn down: a peer that leaves
@@ -306,12 +431,24 @@ def _rank_main(
         code = 1
         summary = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         _write(Path(folder) / f"rank{rank}.err", (summary + "\n" + traceback.format_exc()).encode())
-        if logs is not None:
+        if spec.logs is not None:
             traceback.print_exc()
             sys.stderr.flush()
     finally:
         # Leave without running the parent's atexit handlers and finalizers (forked child).
         os._exit(code)
+
+
+def _leave_with_parent(parent: int) -> None:
+    """A daemon thread that ends this rank once the process that launched it is gone
+    (killed, say, before it could reap its ranks): no rank outlives its launcher."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gpudiag-parent-watch", daemon=True).start()
 
 
 def _log_to(path: str, rank: int, world_size: int, backend: str) -> None:

@@ -36,6 +36,7 @@ from gpudiag.findings import Finding
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.faults import FaultPlan
+from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Bucket, Phase, Recorder, StepRecord, Transfer
 from gpudiag.runtime.transport import Transport
 
@@ -48,7 +49,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How to run. ``faults`` are ``--inject`` specs (see :mod:`gpudiag.runtime.faults`)."""
+    """How to run. ``faults`` are ``--inject`` specs (see :mod:`gpudiag.runtime.faults`).
+    ``numerics``: the numeric settings (TF32, cuDNN, …) set for the run in this process
+    and in every DDP rank alike; None runs under each process's settings as they are."""
 
     strategy: Strategy
     devices: DeviceSet
@@ -67,6 +70,7 @@ class RunConfig:
     track_params: bool = False  # ddp: digest every rank's parameters after every step
     keep_state: bool = True  # return the parameters and buffers after the last step
     timeout: float = 120.0
+    numerics: Numerics | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -99,6 +103,7 @@ class RunResult:
     rank_losses: list[list[float]] = field(default_factory=list)
     rank_digests: list[list[str]] = field(default_factory=list)
     initial_params: dict[str, torch.Tensor] = field(default_factory=dict)  # when steps > 1
+    numerics: list[Numerics] = field(default_factory=list)  # as each process saw them (ddp: per rank)
 
 
 def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
@@ -108,7 +113,13 @@ def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig
         from gpudiag.runtime.ddp import run_ddp
 
         return run_ddp(model_fn, inputs, targets, config)
-    return _run_local(model_fn, inputs, targets, config)
+    with numerics_of(config):
+        return _run_local(model_fn, inputs, targets, config)
+
+
+def numerics_of(config: RunConfig) -> contextlib.AbstractContextManager[Any]:
+    """The run's numeric settings for the length of a block (none: as they are)."""
+    return config.numerics.applied() if config.numerics is not None else contextlib.nullcontext()
 
 
 def build_model(model_fn: ModelFn, seed: int) -> nn.Module:
@@ -302,6 +313,7 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         recorder=recorder,
         notes=notes,
         initial_params=initial,
+        numerics=[Numerics.observe()],
     )
 
 

@@ -1,0 +1,149 @@
+"""The numeric settings a run computes under, set the same way in every process.
+
+Two processes running the same model on the same data agree bit for bit only if they
+compute with the same kernels: TF32 or full fp32 matmuls and convolutions, cuDNN
+autotuning on or off, deterministic algorithms, the default dtype. These are
+per-process flags, so a comparison must set them in the reference process *and* in
+every rank, and report what each one actually ran with.
+
+:class:`Numerics` names one such set. ``Numerics.comparison()`` is what ``gradcheck``
+uses: every fp32 precision ``ieee`` (no TF32, no bf16 emulation; the
+``NVIDIA_TF32_OVERRIDE=0`` of the CUDA libraries, set from torch), cuDNN autotuning off
+and deterministic. ``Numerics.observe()`` reads the current process; ``applied()`` sets
+a set for the length of a block and restores the previous flags after.
+
+Only torch's ``fp32_precision`` interface is used (``torch.backends.cuda.matmul``,
+``cudnn.conv``, ``cudnn.rnn``, ``mkldnn.matmul/conv/rnn``; torch ≥ 2.9), never the
+legacy ``allow_tf32`` / ``set_float32_matmul_precision``: torch raises when a process
+mixes the two interfaces for one backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+
+#: The ``fp32_precision`` knobs: field name → (backend module path under torch.backends).
+PRECISION_KNOBS = {
+    "cuda_matmul": "cuda.matmul",
+    "cudnn_conv": "cudnn.conv",
+    "cudnn_rnn": "cudnn.rnn",
+    "mkldnn_matmul": "mkldnn.matmul",
+    "mkldnn_conv": "mkldnn.conv",
+    "mkldnn_rnn": "mkldnn.rnn",
+}
+
+
+def _backend(path: str) -> Any:
+    obj: Any = torch.backends
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """One process's numeric settings.
+
+    The ``*_matmul``/``*_conv``/``*_rnn`` fields are torch's ``fp32_precision`` values for
+    that backend: ``ieee`` (full fp32), ``tf32``, ``bf16`` (mkldnn only) or ``none`` (the
+    backend's default; cuDNN convolutions default to TF32). ``cudnn_benchmark`` /
+    ``cudnn_deterministic`` are ``torch.backends.cudnn.benchmark`` / ``.deterministic``;
+    ``deterministic_algorithms`` is ``off``, ``warn`` or ``on``
+    (``torch.use_deterministic_algorithms``); ``default_dtype`` is
+    ``torch.get_default_dtype()`` without the ``torch.`` prefix.
+    """
+
+    cuda_matmul: str = "ieee"
+    cudnn_conv: str = "ieee"
+    cudnn_rnn: str = "ieee"
+    mkldnn_matmul: str = "ieee"
+    mkldnn_conv: str = "ieee"
+    mkldnn_rnn: str = "ieee"
+    cudnn_benchmark: bool = False
+    cudnn_deterministic: bool = True
+    deterministic_algorithms: str = "off"
+    default_dtype: str = "float32"
+
+    @classmethod
+    def comparison(cls) -> Numerics:
+        """The settings gradients are compared under: full fp32 everywhere (no TF32),
+        cuDNN autotuning off and deterministic, fp32 default dtype."""
+        return cls()
+
+    @classmethod
+    def observe(cls) -> Numerics:
+        """This process's settings now."""
+        precisions = {name: str(_backend(path).fp32_precision) for name, path in PRECISION_KNOBS.items()}
+        if not torch.are_deterministic_algorithms_enabled():
+            algorithms = "off"
+        elif torch.is_deterministic_algorithms_warn_only_enabled():
+            algorithms = "warn"
+        else:
+            algorithms = "on"
+        return cls(
+            **precisions,
+            cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+            cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+            deterministic_algorithms=algorithms,
+            default_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
+        )
+
+    def apply(self) -> None:
+        """Set these settings in this process (for good: see :meth:`applied`)."""
+        for name, path in PRECISION_KNOBS.items():
+            _backend(path).fp32_precision = getattr(self, name)
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        torch.use_deterministic_algorithms(
+            self.deterministic_algorithms != "off", warn_only=self.deterministic_algorithms == "warn"
+        )
+        dtype = getattr(torch, self.default_dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown default dtype {self.default_dtype!r}")
+        torch.set_default_dtype(dtype)
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[Numerics]:
+        """These settings for the length of the block; the previous ones after it."""
+        saved = Numerics.observe()
+        self.apply()
+        try:
+            yield self
+        finally:
+            saved.apply()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Numerics:
+        known = {f.name for f in fields(cls)}
+        return replace(cls(), **{k: v for k, v in data.items() if k in known})
+
+    def differences(self, other: Numerics) -> dict[str, tuple[Any, Any]]:
+        """``{field: (self's value, other's value)}`` for every field that differs."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
+
+    def summary(self) -> str:
+        """One line for reports: ``fp32 ieee everywhere, cuDNN deterministic, …``."""
+        precisions = {name.replace("_", " "): getattr(self, name) for name in PRECISION_KNOBS}
+        distinct = set(precisions.values())
+        fp32 = (
+            f"fp32 {distinct.pop()} everywhere"
+            if len(distinct) == 1
+            else "fp32 " + ", ".join(f"{name} {value}" for name, value in precisions.items())
+        )
+        return (
+            f"{fp32}; cuDNN benchmark {'on' if self.cudnn_benchmark else 'off'}, "
+            f"deterministic {'on' if self.cudnn_deterministic else 'off'}; "
+            f"deterministic algorithms {self.deterministic_algorithms}; default dtype {self.default_dtype}"
+        )

@@ -1,0 +1,12 @@
+"""Entry point of a rank in a fresh interpreter: ``python -m gpudiag.runtime.rank_process
+RANK WORLD BACKEND FOLDER TIMEOUT LOGS PARENT`` (see :mod:`gpudiag.runtime.launch`).
+
+A module of its own, so the rank imports :mod:`gpudiag.runtime.launch` under its real
+name (running ``launch`` itself as ``__main__`` would make a second copy of it)."""
+
+import sys
+
+from gpudiag.runtime.launch import _rank_main, _RankSpec
+
+if __name__ == "__main__":
+    _rank_main(_RankSpec.from_argv(sys.argv[1:]))

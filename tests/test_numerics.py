@@ -1,0 +1,88 @@
+"""One set of numeric settings for a whole comparison: set in this process and in every
+rank, reported as each process saw them (the flags exist on the CPU too)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from gpudiag.checks.gradcheck import _numerics_differ, gradcheck
+from gpudiag.runtime import DeviceSet, RunConfig, run
+from gpudiag.runtime.numerics import Numerics
+from tests import models
+
+#: Settings a user may well have in their process: TF32 and bf16 emulation, autotuning.
+USERS = Numerics(
+    cuda_matmul="tf32",
+    cudnn_conv="tf32",
+    cudnn_rnn="tf32",
+    mkldnn_matmul="bf16",
+    mkldnn_conv="none",
+    mkldnn_rnn="none",
+    cudnn_benchmark=True,
+    cudnn_deterministic=False,
+    deterministic_algorithms="warn",
+)
+
+
+@pytest.fixture
+def users_settings() -> Iterator[Numerics]:
+    """This process under :data:`USERS` for the test; what it had before, after."""
+    with USERS.applied():
+        yield USERS
+
+
+def test_applied_sets_every_flag_and_restores_them(users_settings: Numerics) -> None:
+    assert Numerics.observe() == users_settings
+    wanted = Numerics.comparison()
+    with wanted.applied():
+        assert Numerics.observe() == wanted
+        assert torch.backends.cudnn.conv.fp32_precision == "ieee" and not torch.backends.cudnn.benchmark
+        assert torch.backends.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
+    assert Numerics.observe() == users_settings
+    # Only torch's new interface is touched, so the legacy one still reads without torch's
+    # "mix of the legacy and new APIs" error.
+    assert torch.backends.cudnn.allow_tf32 is True
+
+
+@pytest.mark.parametrize("start", ["auto", "subprocess"])
+def test_gradcheck_ranks_compute_under_the_references_settings(
+    users_settings: Numerics, monkeypatch: pytest.MonkeyPatch, start: str
+) -> None:
+    """Forked ranks inherit the parent's flags, fresh ones torch's defaults: neither is
+    the comparison's unless each rank sets them."""
+    monkeypatch.setenv("GPUDIAG_RANK_START", start)
+    x, y = models.batch(8)
+    report = gradcheck(models.mlp, x, y)
+    assert report.verdict == "pass", report.summary()
+    wanted = Numerics.comparison().to_json()
+    assert report.numerics == {name: wanted for name in ("single", "dp", "ddp rank 0", "ddp rank 1")}
+    assert report.settings == {"numerics": Numerics.comparison().summary()}
+    assert Numerics.observe() == users_settings  # the caller's flags are back
+
+
+def test_a_run_sets_its_numerics_in_every_rank_and_none_leaves_them() -> None:
+    x, y = models.batch(8)
+    chosen = Numerics(cudnn_benchmark=True, mkldnn_matmul="bf16", deterministic_algorithms="warn")
+    two = DeviceSet.virtual(2)
+    ddp = run(models.mlp, x, y, RunConfig("ddp", two, numerics=chosen, watch=False))
+    single = run(models.mlp, x, y, RunConfig("single", two, numerics=chosen, watch=False))
+    assert ddp.numerics == [chosen, chosen] and single.numerics == [chosen]
+    assert Numerics.observe() != chosen  # set for the run only
+    as_they_are = run(models.mlp, x, y, RunConfig("single", two, watch=False))
+    assert as_they_are.numerics == [Numerics.observe()]
+
+
+def test_a_process_under_other_settings_is_an_error_a_changed_reference_a_warning() -> None:
+    wanted = Numerics.comparison()
+    tf32 = Numerics(cudnn_conv="tf32")
+    findings = _numerics_differ(wanted, {"single": wanted, "ddp rank 0": wanted, "ddp rank 1": tf32})
+    assert [(f.code, f.severity) for f in findings] == [("numerics-differ", "error")]
+    assert (
+        findings[0].message
+        == "ddp rank 1 computed under other numeric settings than single: cudnn conv ieee → tf32"
+    )
+    findings = _numerics_differ(wanted, {"single": tf32, "ddp rank 0": tf32})
+    assert [(f.code, f.severity) for f in findings] == [("numerics-changed", "warning")]
