@@ -1,6 +1,9 @@
 # gpudiag: two commands from a fresh clone.
 #   make demo   gpudiag doctor: every check that applies here, a summary, a report bundle
 #   make test   lint, type checks and the whole test suite
+#   make gpu-test  on a machine that already has torch and a GPU (no network needed): install
+#                  gpudiag into $(PYTHON), run the whole suite with the gpu tests, then gradcheck
+#                  on torchvision models at world size 1 on CUDA (docs/gpu-validation.md)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,7 +11,10 @@ STAMP  := $(VENV)/.installed
 TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py \
           diag/runtime/numerics.py diag/runtime/launch.py diag/runtime/rank_process.py
 
-.PHONY: demo test lint typecheck pytest bench clean
+#: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
+GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121
+
+.PHONY: demo test gpu-test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +35,24 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+gpu-test:
+	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation .
+	@$(PYTHON) -c 'import datetime, platform, subprocess, sys, torch, torchvision; \
+	  n = torch.cuda.device_count() if torch.cuda.is_available() else 0; \
+	  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(); \
+	  commit = commit or "unknown"; \
+	  print(f"gpu-test {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, " \
+	        f"{platform.node()}: torch {torch.__version__} (CUDA {torch.version.cuda}), torchvision {torchvision.__version__}, " \
+	        f"python {platform.python_version()}"); \
+	  [print(f"  GPU {i}: {torch.cuda.get_device_name(i)}") for i in range(n)]; \
+	  sys.exit(0 if n else "gpu-test: no CUDA GPU here")'
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider
+	@for model in $(GPU_MODELS); do \
+	  echo "== gpudiag gradcheck --model torchvision:$$model?num_classes=10 --world-size 1"; \
+	  $(PYTHON) -m gpudiag gradcheck --model "torchvision:$$model?num_classes=10" --input-shape 3,32,32 \
+	    --world-size 1 || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,10 +1,16 @@
 """Cost of watching DDP: the runtime's comm hook against plain DDP.
 
     .venv/bin/python bench/runtime_overhead.py [--steps 40] [--warmup 3]
+    python3 bench/runtime_overhead.py --device cuda [--world 1] [--steps 100] [--warmup 10]
 
-DDP over gloo, 2 ranks on the CPU, torchvision resnet18, a global batch of 32 images of
-3x64x64 (16 per rank), SGD. Each rank holds three DDP models stepped round-robin (the
-order rotates every step), so all see the same machine load:
+``--device cpu`` (default): DDP over gloo, 2 ranks on the CPU, torchvision resnet18, a
+global batch of 32 images of 3x64x64 (16 per rank), SGD.
+``--device cuda``: DDP over NCCL, one rank per GPU (``--world``, default 1), three
+configurations in turn: resnet18 batch 32 at 64 px, resnet50 batch 64 at 224 px,
+resnet18 batch 256 at 32 px (global batches; torch's default numeric settings).
+
+Each rank holds three DDP models stepped round-robin (the order rotates every step), so
+all see the same machine load:
 
 - ``plain``: DDP with torch's default hook, ``default_hooks.allreduce_hook``
   (torch.distributed.algorithms.ddp_comm_hooks) — the baseline the issue names;
@@ -12,8 +18,9 @@ order rotates every step), so all see the same machine load:
 - ``watched``: DDP with gpudiag's hook (per-bucket norm and NaN/Inf count before and
   after the all-reduce, read back once per step).
 
-Prints the medians over ``--steps`` steps after ``--warmup`` and, as its last line,
-watched / plain (target <= 1.03).
+Prints the medians over ``--steps`` steps after ``--warmup`` (every step ends with the
+loss read back, a host sync) and, as its last line, watched / plain — on CUDA the
+largest of the three configurations' (target <= 1.03).
 """
 
 from __future__ import annotations
@@ -34,28 +41,38 @@ from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import pack, unpack
 
 KINDS = ("plain", "builtin", "watched")
+#: (model, global batch, image side) per device.
+CONFIGS = {
+    "cpu": [("resnet18", 32, 64)],
+    "cuda": [("resnet18", 32, 64), ("resnet50", 64, 224), ("resnet18", 256, 32)],
+}
 
 
-def _rank(rank: int, world: int, steps: int, warmup: int) -> bytes:
+def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], steps: int, warmup: int) -> bytes:
     import torch.distributed as dist
     import torch.nn.functional as F
     import torchvision
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
+    name, batch, side = config
+    target = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(target)
     state, recorder = HookState(rank, world), Recorder()
     models = {}
     for kind in KINDS:
         torch.manual_seed(0)
-        ddp = DistributedDataParallel(torchvision.models.resnet18(num_classes=10))
+        model = torchvision.models.get_model(name, num_classes=10).to(target)
+        ddp = DistributedDataParallel(model, device_ids=[rank] if device == "cuda" else None)
         if kind == "plain":
             ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
         elif kind == "watched":
             ddp.register_comm_hook(state, watch_hook)
         models[kind] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(32, 3, 64, 64, generator=g).chunk(world)[rank]
-    y = torch.randint(0, 10, (32,), generator=g).chunk(world)[rank]
+    x = torch.randn(batch, 3, side, side, generator=g).chunk(world)[rank].to(target)
+    y = torch.randint(0, 10, (batch,), generator=g).chunk(world)[rank].to(target)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for i in range(warmup + steps):
         order = KINDS[i % 3 :] + KINDS[: i % 3]
@@ -77,15 +94,26 @@ def _rank(rank: int, world: int, steps: int, warmup: int) -> bytes:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    results = [unpack(p) for p in launch(_rank, 2, timeout=3600, args=(args.steps, args.warmup))]
-    median = {kind: statistics.median(results[0][kind]) for kind in KINDS}
-    for kind in KINDS:
-        print(f"{kind:8s} median {median[kind] * 1e3:.1f} ms/step over {args.steps} steps (rank 0)")
-    print(f"watched/builtin = {median['watched'] / median['builtin']:.3f}")
-    print(f"watched/plain = {median['watched'] / median['plain']:.3f}")
+    world = args.world or (2 if args.device == "cpu" else 1)
+    backend = "gloo" if args.device == "cpu" else "nccl"
+    worst = 0.0
+    for config in CONFIGS[args.device]:
+        task = (args.device, config, args.steps, args.warmup)
+        results = [unpack(p) for p in launch(_rank, world, backend=backend, timeout=3600, args=task)]
+        median = {kind: statistics.median(results[0][kind]) for kind in KINDS}
+        name, batch, side = config
+        print(f"{name} batch {batch} at {side} px, {world} rank(s) over {backend}:")
+        for kind in KINDS:
+            print(f"  {kind:8s} median {median[kind] * 1e3:.2f} ms/step over {args.steps} steps (rank 0)")
+        print(f"  watched/builtin = {median['watched'] / median['builtin']:.3f}")
+        worst = max(worst, median["watched"] / median["plain"])
+        print(f"  watched/plain = {median['watched'] / median['plain']:.3f}")
+    print(f"watched/plain = {worst:.3f}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,19 @@ def capture(name: str) -> str:
     return (TOPO / name).read_text(encoding="utf-8")
 
 
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees no CUDA GPU and no NVIDIA driver, whatever the machine has: torch
+    reports CUDA unavailable (so ``nn.DataParallel`` is a pass-through) and NVML is the
+    fake scenario without a driver. (CUDA_VISIBLE_DEVICES is left alone: set here it
+    could hide the GPUs from this process for good, from the ``gpu`` tests too.)"""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(NVML / "no_driver.json"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``gpu``/``multi_gpu`` tests with a reason where no CUDA GPU is present."""
     marked = [item for item in items if "gpu" in item.keywords or "multi_gpu" in item.keywords]

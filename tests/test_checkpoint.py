@@ -21,6 +21,10 @@ from gpudiag.repro.checkpoint import convert, inspect
 from gpudiag.repro.checkpoint.keys import KeyCollision
 from gpudiag.repro.checkpoint.pickles import UnsafeCheckpoint
 
+#: The wrapped models are built on the CPU here and on a GPU machine alike
+#: (nn.DataParallel moves its module to cuda:0 where CUDA is available).
+pytestmark = pytest.mark.usefixtures("no_gpu")
+
 
 def small() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))

@@ -106,6 +106,7 @@ def test_text_output_draws_the_pair_matrix() -> None:
     assert "NODE✗" in result.output and "link-corruption" in result.output
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_without_gpus_or_machine_it_is_exit_3() -> None:
     result = CliRunner().invoke(cli, ["nancheck"])
     assert result.exit_code == 3

@@ -326,6 +326,7 @@ def test_zip_bundle_replays(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_doctor_without_gpus(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "b"), "--format", "json"])
     assert result.exit_code == 0, result.output
@@ -421,6 +422,7 @@ def test_pairs_limit_peer_and_nancheck(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "no GPU 9 here" in result.output and not (tmp_path / "c").exists()
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_doctor_reads_the_topology_from_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", "tests/data/nvml/a100_4gpu_fabric_down.json")
     result = CliRunner().invoke(

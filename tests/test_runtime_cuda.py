@@ -7,6 +7,7 @@ import torch
 
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.dp import dp_forward
+from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.transport import Transport
 from tests import models
 
@@ -14,10 +15,6 @@ from tests import models
 @pytest.mark.multi_gpu
 def test_dp_on_cuda_equals_nn_dataparallel_bit_for_bit() -> None:
     torchvision = pytest.importorskip("torchvision")
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     ids = [0, 1]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(6, 3, 32, 32, generator=g), torch.randint(0, 10, (6,), generator=g)
@@ -32,7 +29,8 @@ def test_dp_on_cuda_equals_nn_dataparallel_bit_for_bit() -> None:
         torch.nn.functional.cross_entropy(out, y.cuda(0)).backward()
         return {n: p.grad.cpu() for n, p in model.named_parameters()}
 
-    ours, theirs = grads(True), grads(False)
+    with Numerics.comparison().applied():  # no TF32, deterministic cuDNN; restored after
+        ours, theirs = grads(True), grads(False)
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
 

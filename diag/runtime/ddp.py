@@ -44,7 +44,7 @@ from gpudiag.runtime.run import (
     sync_batchnorm_note,
     unpack,
 )
-from gpudiag.runtime.stats import norm_and_nonfinite
+from gpudiag.runtime.stats import norm_and_nonfinite, norms_and_nonfinite
 
 
 @dataclass
@@ -69,17 +69,16 @@ class HookState:
     pending: list[_Pending] = field(default_factory=list)
 
     def flush(self, recorder: Recorder) -> None:
-        """Turn this step's buckets into :class:`Bucket` events with one host sync; with
-        recording off just forget them."""
+        """Turn this step's buckets into :class:`Bucket` events, every statistic read back
+        with one host sync; with recording off just forget them."""
         pending, self.pending = self.pending, []
         if not pending or not recorder.enabled:
             return
-        after = [
-            norm_and_nonfinite(p.result) if p.result is not None else p.before.new_full((2,), math.nan)
-            for p in pending
-        ]
-        values = torch.stack([torch.cat([p.before, a]) for p, a in zip(pending, after, strict=True)]).tolist()
-        for p, (nb, fb, na, fa) in zip(pending, values, strict=True):
+        reduced = [p for p in pending if p.result is not None]
+        stats, before = norms_and_nonfinite([p.result for p in reduced], [p.before for p in pending])
+        after = dict(zip(map(id, reduced), stats, strict=True))
+        for p, (nb, fb) in zip(pending, before, strict=True):
+            na, fa = after.get(id(p), (math.nan, -1))
             numel = p.result.numel() if p.result is not None else 0
             recorder.buckets.append(
                 Bucket(

@@ -39,6 +39,45 @@ def norm_and_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([norm, nonfinite(data, norm)])
 
 
+def norms_and_nonfinite(
+    tensors: list[torch.Tensor], kept: list[torch.Tensor]
+) -> tuple[list[tuple[float, int]], list[list[float]]]:
+    """``(L2 norm, NaN/Inf count)`` of each of ``tensors``, and the values of the ``kept``
+    statistics (small tensors computed earlier, e.g. by :func:`norm_and_nonfinite`), all
+    read back with one host sync in the usual case.
+
+    On CUDA the norms are one multi-tensor launch (``torch._foreach_norm``, as
+    ``clip_grad_norm_`` and GradScaler use), and exact counts are taken only for tensors
+    whose norm is not finite (a non-finite value always makes it so; a finite overflow
+    can too, and then the count says 0): the usual step runs no counting kernel. On the
+    CPU, :func:`norm_and_nonfinite` per tensor (the BLAS norm is faster there)."""
+    cuda = bool(tensors) and tensors[0].is_cuda
+    data = [t.detach() for t in tensors]
+    if cuda:
+        parts = [n.float().reshape(1) for n in torch._foreach_norm(data)]
+    else:
+        parts = [norm_and_nonfinite(t) for t in data]
+    parts += [k.float().reshape(-1) for k in kept]
+    if not parts:
+        return [], []
+    device = parts[0].device
+    flat = torch.cat([p.to(device) for p in parts]).tolist()
+    width = 1 if cuda else 2
+    values = []
+    for i, d in enumerate(data):
+        norm = flat[width * i]
+        if cuda:
+            count = 0 if math.isfinite(norm) else int((~torch.isfinite(d)).sum())
+        else:
+            count = int(flat[2 * i + 1])
+        values.append((norm, count))
+    at, out = width * len(data), []
+    for k in kept:
+        out.append(flat[at : at + k.numel()])
+        at += k.numel()
+    return values, out
+
+
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """A cheap checksum of a tensor: its sum, accumulated in float32 for 16-bit floats and
     in the tensor's own dtype otherwise (a float64 accumulation costs 3x on the CPU). The
