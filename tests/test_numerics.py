@@ -86,3 +86,12 @@ def test_a_process_under_other_settings_is_an_error_a_changed_reference_a_warnin
     )
     findings = _numerics_differ(wanted, {"single": tf32, "ddp rank 0": tf32})
     assert [(f.code, f.severity) for f in findings] == [("numerics-changed", "warning")]
+
+
+def test_a_backend_this_torch_lacks_is_observed_absent_and_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(torch.backends.mkldnn), "rnn", None)  # as on a build without it
+    seen = Numerics.observe()
+    assert seen.mkldnn_rnn == "absent" and seen.mkldnn_conv != "absent"
+    with Numerics.comparison().applied():
+        assert Numerics.observe().mkldnn_rnn == "absent"
+    assert Numerics.observe() == seen

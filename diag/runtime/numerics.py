@@ -38,11 +38,16 @@ PRECISION_KNOBS = {
 }
 
 
+#: What :meth:`Numerics.observe` records for a knob this torch does not have.
+ABSENT = "absent"
+
+
 def _backend(path: str) -> Any:
+    """``torch.backends.<path>``, or None where this torch build lacks it."""
     obj: Any = torch.backends
     for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+        obj = getattr(obj, part, None)
+    return obj if obj is not None and hasattr(obj, "fp32_precision") else None
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ class Numerics:
     ``cudnn_deterministic`` are ``torch.backends.cudnn.benchmark`` / ``.deterministic``;
     ``deterministic_algorithms`` is ``off``, ``warn`` or ``on``
     (``torch.use_deterministic_algorithms``); ``default_dtype`` is
-    ``torch.get_default_dtype()`` without the ``torch.`` prefix.
+    ``torch.get_default_dtype()`` without the ``torch.`` prefix. A backend this torch
+    build lacks is observed as ``absent`` and skipped when applying.
     """
 
     cuda_matmul: str = "ieee"
@@ -78,7 +84,10 @@ class Numerics:
     @classmethod
     def observe(cls) -> Numerics:
         """This process's settings now."""
-        precisions = {name: str(_backend(path).fp32_precision) for name, path in PRECISION_KNOBS.items()}
+        precisions = {}
+        for name, path in PRECISION_KNOBS.items():
+            backend = _backend(path)
+            precisions[name] = str(backend.fp32_precision) if backend is not None else ABSENT
         if not torch.are_deterministic_algorithms_enabled():
             algorithms = "off"
         elif torch.is_deterministic_algorithms_warn_only_enabled():
@@ -96,7 +105,9 @@ class Numerics:
     def apply(self) -> None:
         """Set these settings in this process (for good: see :meth:`applied`)."""
         for name, path in PRECISION_KNOBS.items():
-            _backend(path).fp32_precision = getattr(self, name)
+            backend, value = _backend(path), getattr(self, name)
+            if backend is not None and value != ABSENT:
+                backend.fp32_precision = value
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.use_deterministic_algorithms(
