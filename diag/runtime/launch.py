@@ -49,6 +49,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -249,22 +250,18 @@ def _load_job(folder: str) -> tuple[RankFn, tuple[Any, ...]]:
     return fn, tuple(args)
 
 
+@dataclass(frozen=True)
 class _RankSpec:
-    """Where a rank fits: its number, the group, the launch folder, the log prefix and
-    the pid of the process that launched it."""
+    """Where a rank fits: its number, the group, the launch folder, the log prefix (None:
+    inherit the parent's streams) and the pid of the process that launched it."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        backend: str,
-        folder: str,
-        timeout: float,
-        logs: str | None,
-        parent: int,
-    ):
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.folder, self.timeout, self.logs, self.parent = folder, timeout, logs, parent
+    rank: int
+    world_size: int
+    backend: str
+    folder: str
+    timeout: float
+    logs: str | None
+    parent: int
 
     def argv(self) -> list[str]:
         return [
