@@ -153,7 +153,7 @@ from gpudiag.runtime.launch import start
 from tests.test_rank_transport import _sleep
 ranks = start(_sleep, 2, method=sys.argv[1], timeout=300)
 time.sleep(0.5)
-print(" ".join(str(p.pid) for p in ranks.procs), flush=True)
+print(ranks.folder, " ".join(str(p.pid) for p in ranks.procs), flush=True)
 time.sleep(300)
 """
 
@@ -165,13 +165,15 @@ def _sleep(rank: int, world: int) -> bytes:
 
 @pytest.mark.parametrize("method", ["fork", "subprocess"])
 def test_ranks_leave_when_their_launcher_is_killed(method: str) -> None:
-    """SIGKILL gives the launcher no chance to reap: the ranks notice and leave."""
+    """SIGKILL gives the launcher no chance to reap: the ranks notice, remove the launch's
+    folder and leave."""
     with subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, method], cwd=ROOT, stdout=subprocess.PIPE, text=True
     ) as proc:
         try:
             assert proc.stdout is not None
-            pids = [int(p) for p in proc.stdout.readline().split()]
+            folder, *numbers = proc.stdout.readline().split()
+            pids = [int(p) for p in numbers]
             assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
         finally:
             proc.send_signal(signal.SIGKILL)
@@ -179,6 +181,7 @@ def test_ranks_leave_when_their_launcher_is_killed(method: str) -> None:
     while time.monotonic() < deadline and any(_running(p) for p in pids):
         time.sleep(0.1)
     assert not [p for p in pids if _running(p)]
+    assert not Path(folder).exists()  # the launch's folder went with them
 
 
 def _running(pid: int) -> bool:

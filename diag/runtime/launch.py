@@ -402,7 +402,7 @@ def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] 
     code = 0
     rank, world_size, backend, folder = spec.rank, spec.world_size, spec.backend, spec.folder
     try:
-        _leave_with_parent(spec.parent)
+        _leave_with_parent(spec.parent, folder)
         if spec.logs is not None:
             _log_to(f"{spec.logs}-rank{rank}.log", rank, world_size, backend)
         import torch
@@ -436,13 +436,15 @@ def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] 
         os._exit(code)
 
 
-def _leave_with_parent(parent: int) -> None:
+def _leave_with_parent(parent: int, folder: str) -> None:
     """A daemon thread that ends this rank once the process that launched it is gone
-    (killed, say, before it could reap its ranks): no rank outlives its launcher."""
+    (killed, say, before it could reap its ranks), removing the launch's folder it would
+    have removed: no rank and no file outlives the launcher."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
+        shutil.rmtree(folder, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="gpudiag-parent-watch", daemon=True).start()
