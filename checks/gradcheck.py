@@ -519,9 +519,6 @@ def gradcheck(
     tol = tolerance(dtype)
     model_factory = Prebuilt(model_factory)
     numerics = Numerics.comparison()
-    with numerics.applied():  # the model is built (and its dtype chosen) under them too
-        torch.manual_seed(seed)
-        traits = inspect_model(model_factory())
     base = RunConfig(
         "single",
         devices,
@@ -540,7 +537,9 @@ def gradcheck(
     wanted = [s for s in strategies if s != "single"]
     batch = len(targets)
     findings: list[Finding] = []
-    with numerics.applied():  # here; every rank sets them itself (RunConfig.numerics)
+    with numerics.applied():  # here (the template is built under them too); every rank sets them itself
+        torch.manual_seed(seed)
+        traits = inspect_model(model_factory())
         first_mode = "controlled" if mode == "controlled" else "as-is"
         factory = Controlled(model_factory) if first_mode == "controlled" else model_factory
         factories: dict[str, ModelFn] = {first_mode: factory}

@@ -154,8 +154,9 @@ def start_ddp(jobs: Sequence[tuple[ModelFn, RunConfig]], inputs: Any, targets: t
         raise UnpicklableJob(
             "the DDP ranks start as fresh Python processes here (CUDA in use, other threads "
             "running, or GPUDIAG_RANK_START=subprocess), and the model factory or the loss "
-            f"cannot be sent to them ({str(exc).split(': ', 1)[-1]}): make them picklable, "
-            "e.g. without open files, locks or CUDA streams inside"
+            f"cannot be sent to them ({exc.reason}): make them picklable, "
+            "e.g. without open files, locks or CUDA streams inside",
+            exc.reason,
         ) from exc
     return DdpRuns(ranks, configs, origin)
 
@@ -239,14 +240,14 @@ def _rank(
     targets: torch.Tensor,
     origin: float,
 ) -> list[bytes | memoryview]:
-    """One DDP rank: every job in turn, all returned as bytes (see :func:`pack`)."""
-    return pack(
-        {
-            "jobs": [
-                _train(rank, world, model_fn, inputs, targets, config, origin) for model_fn, config in jobs
-            ]
-        }
-    )
+    """One DDP rank: every job in turn, each under its run's numeric settings (set here,
+    in the rank: a forked rank would keep the parent's, a fresh one torch's defaults),
+    all returned as bytes (see :func:`pack`)."""
+    results = []
+    for model_fn, config in jobs:
+        with numerics_of(config):
+            results.append(_train(rank, world, model_fn, inputs, targets, config, origin))
+    return pack({"jobs": results})
 
 
 def _train(
@@ -258,21 +259,8 @@ def _train(
     config: RunConfig,
     origin: float,
 ) -> dict[str, Any]:
-    """One DDP run on this rank under the run's numeric settings: build, wrap, train on
-    the shard, return what happened."""
-    with numerics_of(config):
-        return _train_as_set(rank, world, model_fn, inputs, targets, config, origin)
-
-
-def _train_as_set(
-    rank: int,
-    world: int,
-    model_fn: ModelFn,
-    inputs: Any,
-    targets: torch.Tensor,
-    config: RunConfig,
-    origin: float,
-) -> dict[str, Any]:
+    """One DDP run on this rank: build, wrap, train on the shard, return what happened
+    (and the numeric settings it ran under)."""
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = config.devices.kind == "cuda"

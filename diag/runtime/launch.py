@@ -220,7 +220,12 @@ def start(
 
 
 class UnpicklableJob(InputError):
-    """The rank function or its arguments cannot be sent to ranks in fresh interpreters."""
+    """The rank function or its arguments cannot be sent to ranks in fresh interpreters;
+    ``reason`` is the pickling error, one line."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _write_job(path: Path, fn: RankFn, args: tuple[Any, ...]) -> None:
@@ -234,10 +239,11 @@ def _write_job(path: Path, fn: RankFn, args: tuple[Any, ...]) -> None:
         torch.save((fn, args), path, pickle_module=cloudpickle)
     except Exception as exc:
         path.unlink(missing_ok=True)
-        reason = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         raise UnpicklableJob(
             f"cannot send {getattr(fn, '__name__', 'the rank function')}'s work to ranks started as "
-            f"fresh Python processes: {type(exc).__name__}: {reason}"
+            f"fresh Python processes: {reason}",
+            reason,
         ) from exc
 
 
