@@ -28,6 +28,7 @@ import torch
 
 from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.findings import Finding
+from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.faults import for_devices, parse_fault
@@ -211,7 +212,7 @@ def nancheck(
         gpus = sorted(info.index for info in machine.gpus.values())
         make = lambda ids: DeviceSet.virtual(list(ids), machine)  # noqa: E731
     else:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = cuda_device_count()
         if count == 0:
             raise CannotRunHere(
                 "no CUDA GPU here; simulate a machine with --machine FILE (make one from a capture: "

@@ -31,6 +31,7 @@ import torch
 
 from gpudiag.errors import InputError
 from gpudiag.findings import Finding
+from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.hw.host import HostFacts, Runner, collect
 from gpudiag.runtime import DeviceSet, RankFailure
 from gpudiag.runtime.faults import FaultPlan, corrupt, for_devices
@@ -220,8 +221,8 @@ def peer(
         gpus = sorted(info.index for info in machine.gpus.values())
         devices = DeviceSet.virtual(gpus, machine)
         skipped.append("bandwidth: virtual devices copy in CPU memory; direct vs staged is meaningless there")
-    elif torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        gpus = list(range(torch.cuda.device_count()))
+    elif cuda_device_count() >= 2:
+        gpus = list(range(cuda_device_count()))
         devices = DeviceSet.cuda(gpus)
     else:
         gpus, devices = [], None

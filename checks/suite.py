@@ -19,6 +19,7 @@ from typing import Any
 
 from gpudiag.errors import CannotRunHere, GpudiagError
 from gpudiag.findings import Finding
+from gpudiag.hw.cuda import cuda_device_count
 
 #: Every check, in the order they run (cheapest and most basic first).
 CHECKS = ("env", "topology", "peer", "gradcheck", "nancheck")
@@ -122,7 +123,6 @@ class Here:
     @classmethod
     def detect(cls, machine: str | None = None) -> Here:
         """Look, without failing: torch's device count, one NVML call, the machine file."""
-        import torch
 
         from gpudiag.hw.nvml import NvmlBackend
 
@@ -135,7 +135,7 @@ class Here:
         from gpudiag.topology.sources import read_machine_or_capture
 
         topology = read_machine_or_capture(machine) if machine else None
-        return cls(torch.cuda.device_count(), nvml, topology, machine)
+        return cls(cuda_device_count(), nvml, topology, machine)
 
 
 def plan(

@@ -59,7 +59,7 @@ def test_batchnorm_is_explained_and_confirmed_in_controlled_mode() -> None:
 
 
 def test_auto_mode_starts_one_ddp_launch_for_as_is_and_controlled(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpudiag.checks.gradcheck as module
+    import gpudiag.checks.gradcheck.schedule as module
 
     launches: list[int] = []
     real = module.start_ddp
@@ -257,7 +257,7 @@ def test_sync_batchnorm_on_cpu_is_skipped_with_the_reason() -> None:
 def test_fused_norms_fall_back_to_float64_where_fp32_overflows() -> None:
     import torch
 
-    from gpudiag.checks.gradcheck import _norms
+    from gpudiag.checks.gradcheck.compare import norms as _norms
 
     assert _norms([torch.full((4,), 1e20), torch.ones(9)]) == [pytest.approx(2e20), 3.0]
     assert _norms([torch.tensor([float("inf"), 1.0])]) == [float("inf")]

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gpudiag.checks.gradcheck import _numerics_differ, gradcheck
+from gpudiag.checks.gradcheck import gradcheck
+from gpudiag.checks.gradcheck.explain import numerics_differ as _numerics_differ
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.numerics import Numerics
 from tests import models
@@ -23,7 +24,7 @@ USERS = Numerics(
     mkldnn_rnn="none",
     cudnn_benchmark=True,
     cudnn_deterministic=False,
-    deterministic_algorithms="warn",
+    deterministic_algorithms="off",
 )
 
 
@@ -40,7 +41,8 @@ def test_applied_sets_every_flag_and_restores_them(users_settings: Numerics) -> 
     with wanted.applied():
         assert Numerics.observe() == wanted
         assert torch.backends.cudnn.conv.fp32_precision == "ieee" and not torch.backends.cudnn.benchmark
-        assert torch.backends.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
     assert Numerics.observe() == users_settings
     # Only torch's new interface is touched, so the legacy one still reads without torch's
     # "mix of the legacy and new APIs" error.

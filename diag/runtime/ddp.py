@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.errors import InputError
+from gpudiag.runtime.batch import call_model, shard, split, to_device
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
 from gpudiag.runtime.launch import Ranks, UnpicklableJob, start, start_method
-from gpudiag.runtime.numerics import Numerics
+from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.run import (
     ModelFn,
@@ -36,7 +37,6 @@ from gpudiag.runtime.run import (
     Stepper,
     build_model,
     digest,
-    micro_batches,
     numerics_of,
     pack,
     recorder_from_data,
@@ -202,6 +202,7 @@ class DdpRuns:
             rank_digests=[r["digests"] for r in ranks],
             initial_params=first["initial"],
             numerics=[Numerics.from_json(r["numerics"]) for r in ranks],
+            nondeterministic=list(dict.fromkeys(op for r in ranks for op in r["nondeterministic"])),
         )
 
     def __enter__(self) -> "DdpRuns":
@@ -209,12 +210,6 @@ class DdpRuns:
 
     def __exit__(self, *exc: object) -> None:
         self.ranks.close()
-
-
-def _shard(inputs: Any, rank: int, world: int) -> Any:
-    if isinstance(inputs, tuple):
-        return tuple(x.chunk(world)[rank] for x in inputs)
-    return inputs.chunk(world)[rank]
 
 
 def _buffer_sync(broadcast: bool) -> dict[str, bool]:
@@ -283,7 +278,7 @@ def _train(
         ddp.register_comm_hook(state, watch_hook)
 
     def forward(x: Any) -> Any:
-        return ddp(*(x if isinstance(x, tuple) else (x,)))
+        return call_model(ddp, x)
 
     stepper = Stepper(ddp.module, config, forward)
     initial = (
@@ -291,25 +286,28 @@ def _train(
         if config.steps > 1 and rank == 0
         else {}
     )
-    shard_inputs, shard_targets = _shard(inputs, rank, world), targets.chunk(world)[rank]
+    shard_inputs, shard_targets = shard(inputs, rank, world), targets.chunk(world)[rank]
     losses, digests = [], []
-    for step in range(1, config.steps + 1):
-        state.step = step
-        start = recorder.now()
-        micro = [
-            (tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device), y)
-            for x, y in zip(
-                micro_batches(shard_inputs, config.accumulate),
-                shard_targets.chunk(config.accumulate),
-                strict=True,
+    with nondeterministic_alerts() as alerts:
+        for step in range(1, config.steps + 1):
+            state.step = step
+            start = recorder.now()
+            micro = [
+                (to_device(x, device), y)
+                for x, y in zip(
+                    split(shard_inputs, config.accumulate),
+                    shard_targets.chunk(config.accumulate),
+                    strict=True,
+                )
+            ]
+            loss = stepper.step(
+                step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder)
             )
-        ]
-        loss = stepper.step(step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder))
-        losses.append(loss)
-        if recorder.enabled:
-            recorder.steps.append(StepRecord(step, loss, start, recorder.now(), rank))
-        if config.track_params:
-            digests.append(digest(ddp.module))
+            losses.append(loss)
+            if recorder.enabled:
+                recorder.steps.append(StepRecord(step, loss, start, recorder.now(), rank))
+            if config.track_params:
+                digests.append(digest(ddp.module))
     module = ddp.module
     lead = rank == 0  # the others' tensors are rank 0's after the all-reduce: send only theirs
     send_state = lead and config.keep_state
@@ -322,4 +320,5 @@ def _train(
         "recorder": recorder_to_data(recorder),
         "initial": initial,
         "numerics": Numerics.observe().to_json(),
+        "nondeterministic": alerts,
     }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gpudiag.errors import CannotRunHere, InputError
+from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.topology.model import Topology
 
 
@@ -40,9 +41,8 @@ class DeviceSet:
         cls, ids: list[int] | tuple[int, ...] | None = None, machine: Topology | None = None
     ) -> DeviceSet:
         """Real CUDA devices by torch index (default: all visible)."""
-        import torch
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = cuda_device_count()
         chosen = tuple(range(count)) if ids is None else tuple(ids)
         if count == 0:
             raise CannotRunHere("no CUDA GPU here; use virtual devices (--machine FILE) to simulate")

@@ -21,7 +21,7 @@ Every copy goes through the :class:`~gpudiag.runtime.transport.Transport`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -113,8 +113,16 @@ def gather(outputs: list[Any], ids: Sequence[int], transport: Transport) -> Any:
     return first
 
 
-def dp_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], transport: Transport) -> Any:
-    """One DataParallel forward of ``module`` (which lives on the first device)."""
+def dp_forward(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    transport: Transport,
+    select: Callable[[Any], Any] | None = None,
+) -> Any:
+    """One DataParallel forward of ``module`` (which lives on the first device).
+    ``select`` picks the part of each replica's output to gather (the loss's tensor);
+    None gathers the whole output."""
     ids = transport.devices.ids
     recorder = transport.recorder
     step = transport.step
@@ -124,8 +132,9 @@ def dp_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             recorder.phases.append(Phase(step, name, start, recorder.now(), device))
 
     now = recorder.now if recorder is not None else (lambda: 0.0)
+    pick = select or (lambda output: output)
     if len(ids) == 1:
-        return module(*args, **kwargs)
+        return pick(module(*args, **kwargs))
     count = chunk_count(args, kwargs, len(ids))
     start = now()
     inputs = scatter(tuple(args), ids, count, transport)
@@ -148,7 +157,7 @@ def dp_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     outputs = []
     for i in range(count):
         start = now()
-        outputs.append(torch.func.functional_call(module, states[i], tuple(inputs[i]), kw_inputs[i]))
+        outputs.append(pick(torch.func.functional_call(module, states[i], tuple(inputs[i]), kw_inputs[i])))
         phase("forward", start, ids[i])
 
     start = now()

@@ -21,6 +21,7 @@ mixes the two interfaces for one backend.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -72,13 +73,15 @@ class Numerics:
     mkldnn_rnn: str = "ieee"
     cudnn_benchmark: bool = False
     cudnn_deterministic: bool = True
-    deterministic_algorithms: str = "off"
+    deterministic_algorithms: str = "warn"
     default_dtype: str = "float32"
 
     @classmethod
     def comparison(cls) -> Numerics:
         """The settings gradients are compared under: full fp32 everywhere (no TF32),
-        cuDNN autotuning off and deterministic, fp32 default dtype."""
+        cuDNN autotuning off and deterministic, deterministic algorithms where torch has
+        them and a warning where it has not (:func:`nondeterministic_alerts` hears it),
+        fp32 default dtype."""
         return cls()
 
     @classmethod
@@ -158,3 +161,35 @@ class Numerics:
             f"deterministic {'on' if self.cudnn_deterministic else 'off'}; "
             f"deterministic algorithms {self.deterministic_algorithms}; default dtype {self.default_dtype}"
         )
+
+
+#: How torch's alert for an op without a deterministic implementation reads (warn-only).
+_ALERT = " does not have a deterministic implementation"
+_CUBLAS_ALERT = "because it uses CuBLAS"
+
+
+@contextlib.contextmanager
+def nondeterministic_alerts() -> Iterator[list[str]]:
+    """Collect, in the yielded list, the ops torch reported while the block ran as having
+    no deterministic implementation (``index_add_cuda_``, ``scatter_add_cuda_kernel``,
+    cuBLAS without ``CUBLAS_WORKSPACE_CONFIG``, …; heard only under
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``). Each op once, in the
+    order first reported; every other warning is passed on."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield found
+    passed: set[tuple[str, type]] = set()
+    for warning in caught:
+        text = str(warning.message)
+        if _ALERT in text:
+            op = text.split(_ALERT)[0].strip()
+        elif _CUBLAS_ALERT in text:
+            op = "cuBLAS (CUBLAS_WORKSPACE_CONFIG not set)"
+        else:
+            if (text, warning.category) not in passed:
+                passed.add((text, warning.category))
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            continue
+        if op not in found:
+            found.append(op)

@@ -33,10 +33,11 @@ from torch import nn
 
 from gpudiag.errors import InputError
 from gpudiag.findings import Finding
+from gpudiag.runtime.batch import OutputKey, call_model, select_output, split, to_device
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.faults import FaultPlan
-from gpudiag.runtime.numerics import Numerics
+from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Phase, Recorder, StepRecord, Transfer
 from gpudiag.runtime.transport import Transport
 
@@ -71,6 +72,9 @@ class RunConfig:
     keep_state: bool = True  # return the parameters and buffers after the last step
     timeout: float = 120.0
     numerics: Numerics | None = None
+    #: the part of the model's output the loss is computed on (see ``batch.select_output``);
+    #: None: chosen automatically for a named loss, the whole output for a loss function
+    output: OutputKey = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -104,6 +108,8 @@ class RunResult:
     rank_digests: list[list[str]] = field(default_factory=list)
     initial_params: dict[str, torch.Tensor] = field(default_factory=dict)  # when steps > 1
     numerics: list[Numerics] = field(default_factory=list)  # as each process saw them (ddp: per rank)
+    #: ops torch reported as having no deterministic implementation (any process, any step)
+    nondeterministic: list[str] = field(default_factory=list)
 
 
 def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig) -> RunResult:
@@ -160,6 +166,15 @@ def _device_of(output: Any) -> Any:
     return found.device if found is not None else "cpu"
 
 
+def output_selector(config: RunConfig) -> Callable[[Any], Any] | None:
+    """What picks the loss's tensor out of the model's output (None: the whole output,
+    for a loss function given no ``output`` key)."""
+    if callable(config.loss) and config.output is None:
+        return None
+    key = config.output
+    return lambda output: select_output(output, key)
+
+
 def device_type(devices: DeviceSet) -> str:
     return "cpu" if devices.kind == "virtual" else "cuda"
 
@@ -191,6 +206,7 @@ class Stepper:
         if self.scaler is not None:  # something to unscale with
             self.unscaler = self.optimizer or torch.optim.SGD(model.parameters(), lr=0.0)
         self.first_grads: dict[str, torch.Tensor] = {}
+        self.select = output_selector(config)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -206,6 +222,8 @@ class Stepper:
                 output = self.forward(inputs)
         else:
             output = self.forward(inputs)
+        if self.select is not None:
+            output = self.select(output)
         loss = loss_fn(self.config.loss, output, targets.to(_device_of(output)))
         scaled = loss / self.config.accumulate
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -283,27 +301,30 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         notes.append(sync_batchnorm_note(config.strategy))
 
     def forward(x: Any) -> Any:
-        args = x if isinstance(x, tuple) else (x,)
         if config.strategy == "single":
-            return model(*args)
-        return dp_forward(model, args, {}, transport)
+            return call_model(model, x)
+        args, kwargs = ((), x) if isinstance(x, dict) else (x if isinstance(x, tuple) else (x,), {})
+        # DataParallel picks each replica's loss tensor before gathering (only it travels).
+        return dp_forward(model, args, kwargs, transport, stepper.select)
 
     stepper = Stepper(model, config, forward)
     initial = _cpu(dict(model.named_parameters())) if config.steps > 1 else {}
     losses = []
-    for step in range(1, config.steps + 1):
-        transport.step = step
-        start = recorder.now()
-        micro = [
-            (_to(x, devices), y)
-            for x, y in zip(
-                micro_batches(inputs, config.accumulate), targets.chunk(config.accumulate), strict=True
-            )
-        ]
-        loss = stepper.step(step, micro)
-        losses.append(loss)
-        if recorder.enabled:
-            recorder.steps.append(StepRecord(step, loss, start, recorder.now()))
+    first = devices.torch_device(devices.ids[0])
+    with nondeterministic_alerts() as alerts:
+        for step in range(1, config.steps + 1):
+            transport.step = step
+            start = recorder.now()
+            micro = [
+                (to_device(x, first), y)
+                for x, y in zip(
+                    split(inputs, config.accumulate), targets.chunk(config.accumulate), strict=True
+                )
+            ]
+            loss = stepper.step(step, micro)
+            losses.append(loss)
+            if recorder.enabled:
+                recorder.steps.append(StepRecord(step, loss, start, recorder.now()))
     return RunResult(
         strategy=config.strategy,
         losses=losses,
@@ -314,6 +335,7 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         notes=notes,
         initial_params=initial,
         numerics=[Numerics.observe()],
+        nondeterministic=alerts,
     )
 
 
@@ -331,23 +353,6 @@ def sync_batchnorm_note(strategy: str) -> Finding:
         {"strategy": strategy},
         fix="run on CUDA devices with ddp to compare with SyncBatchNorm",
     )
-
-
-def micro_batches(inputs: Any, count: int) -> list[Any]:
-    """``inputs`` (a tensor or a tuple of tensors) split into ``count`` micro-batches."""
-    if count == 1:
-        return [inputs]
-    if isinstance(inputs, tuple):
-        parts = [x.chunk(count) for x in inputs]
-        return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
-    return list(inputs.chunk(count))
-
-
-def _to(inputs: Any, devices: DeviceSet) -> Any:
-    target = devices.torch_device(devices.ids[0])
-    if isinstance(inputs, tuple):
-        return tuple(x.to(target) for x in inputs)
-    return inputs.to(target)
 
 
 def _detached_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,474 @@
+"""``gradcheck()``: the order of things, from the model to the verdict.
+
+1. Build the model once (:class:`Prebuilt`) and probe what train mode switches on in
+   it (:func:`trainmode.probe`: batch statistics, random draws, by module).
+2. Run single, dp and ddp (as-is; in auto mode also controlled, when the probe found
+   something to control) — one :meth:`Schedule.runs` batch, one DDP launch.
+3. Compare every strategy with single; failed runs, non-finite gradients, unused
+   parameters, diverged ranks and numeric settings become findings.
+4. Explain what differs, each cause only where it can apply and once a measurement
+   confirms it: controlled mode (train-mode behaviour), the world-size loss scale, uneven
+   shards (mean of per-shard gradients), the reference's own spread (the same seed again:
+   non-deterministic kernels; another RNG state: random draws controlled mode cannot
+   take away). The confirming runs are asked for in batches and run by the schedule.
+5. What is left is ``mismatch-unexplained``, with its numbers and possible causes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpudiag.checks.gradcheck import explain
+from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, tolerance
+from gpudiag.checks.gradcheck.factories import Controlled, OtherRng, Prebuilt
+from gpudiag.checks.gradcheck.report import Comparison, GradcheckReport, has_errors, verdict
+from gpudiag.checks.gradcheck.schedule import (
+    Job,
+    Outcome,
+    Schedule,
+    default_devices,
+    mode_jobs,
+    outcomes,
+)
+from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
+from gpudiag.errors import InputError
+from gpudiag.findings import Finding
+from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
+from gpudiag.runtime.batch import OutputKey, batch_size, split
+from gpudiag.runtime.numerics import Numerics
+from gpudiag.runtime.record import Recorder
+from gpudiag.runtime.run import DTYPES, ModelFn
+
+MODES = ("auto", "as-is", "controlled")
+
+
+@dataclass
+class _Check:
+    """One gradcheck's fixed parts and what it has found so far."""
+
+    schedule: Schedule
+    comparer: Comparer
+    wanted: list[str]
+    world: int
+    tol: float
+    mode: str
+    seed: int
+    loss: Any
+    sites: TrainModeSites
+    factories: dict[str, ModelFn]
+    replicas: dict[str, int]
+    findings: list[Finding] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
+    recorders: dict[str, Recorder] = field(default_factory=dict)
+    runs: dict[str, Outcome] = field(default_factory=dict)
+
+    def mode_runs(self, mode: str, **options: Any) -> Outcome:
+        """Every strategy of ``mode`` (run now unless already run with these options)."""
+        kept = self.runs.get(mode)
+        if kept is not None and not kept.failures and kept.options.get("ddp", {}) == options:
+            return kept
+        results = self.schedule.runs(mode_jobs(mode, self.factories[mode], self.wanted, **options))
+        outcome = outcomes(results, [mode])[mode]
+        if options and "ddp" in outcome.results:
+            outcome.options["ddp"] = dict(options)
+        self.runs[mode] = outcome
+        return outcome
+
+
+def gradcheck(
+    model_factory: ModelFn,
+    inputs: Any,
+    targets: torch.Tensor,
+    *,
+    strategies: tuple[str, ...] | list[str] = ("single", "dp", "ddp"),
+    world_size: int = 2,
+    steps: int = 1,
+    lr: float = 0.01,
+    optimizer: str = "sgd",
+    dtype: str = "fp32",
+    loss: Any = "ce",
+    output: OutputKey = None,
+    mode: str = "auto",
+    seed: int = 0,
+    inject: tuple[str, ...] | list[str] = (),
+    devices: DeviceSet | None = None,
+    sync_batchnorm: bool = False,
+    timeout: float = 300.0,
+    describe: dict[str, Any] | None = None,
+) -> GradcheckReport:
+    """Compare ``strategies`` against ``single`` for ``model_factory`` on one batch.
+
+    ``inputs``: a tensor, a tuple of tensors (positional arguments) or a dict of tensors
+    (keyword arguments), split along dim 0; ``targets``: a tensor. ``loss``: ``ce``,
+    ``ce-sum``, ``mse``, ``mse-sum`` or ``loss(output, target)``. ``output``: the part of
+    the model's output the loss takes (an index, a key or attribute; None: automatic,
+    see :func:`gpudiag.runtime.batch.select_output`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be auto, as-is or controlled, not {mode!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+    devices = devices or default_devices(world_size)
+    world, tol, batch = len(devices), tolerance(dtype), batch_size(inputs)
+    prebuilt = Prebuilt(model_factory)
+    numerics = Numerics.comparison()
+    base = RunConfig(
+        "single",
+        devices,
+        steps=steps,
+        optimizer=optimizer,  # type: ignore[arg-type]
+        lr=lr,
+        loss=loss,
+        dtype=dtype,
+        seed=seed,
+        faults=tuple(inject),
+        sync_batchnorm=sync_batchnorm,
+        timeout=timeout,
+        keep_state=steps > 1,
+        numerics=numerics,
+        output=output,
+    )
+    wanted = [s for s in strategies if s != "single"]
+    with numerics.applied():  # here (the template is built under them too); every rank sets them itself
+        torch.manual_seed(seed)
+        template = prebuilt()
+        order = tuple(n for n, p in template.named_parameters() if p.requires_grad)
+        sites = _probe(template, inputs, seed)
+        check = _Check(
+            Schedule(inputs, targets, base),
+            Comparer(world, tol, order),
+            wanted,
+            world,
+            tol,
+            mode,
+            seed,
+            loss,
+            sites,
+            {"as-is": prebuilt, "controlled": Controlled(prebuilt, seed)},
+            {"dp": len(split(inputs, world)), "ddp": world},
+        )
+        first = "controlled" if mode == "controlled" else "as-is"
+        outcome = _first_runs(check, first)
+        _explain(check, first, outcome, devices.kind == "virtual")
+        if world > batch:
+            check.findings.append(explain.few_replicas(batch, world))
+        if batch % world and "ddp" in wanted and not any(f.code == "uneven-shards" for f in check.findings):
+            check.findings.append(explain.uneven_info(batch, world))
+    seen = explain.numerics_seen(outcome)
+    return GradcheckReport(
+        verdict=verdict(check.comparisons, check.findings),
+        tolerance={"dtype": dtype, "rel_norm_err": tol, "basis": TOLERANCE_BASIS},
+        settings={"numerics": numerics.summary()},
+        numerics={name: n.to_json() for name, n in seen.items()},
+        train_mode={
+            "batch_statistics": [s.to_json() for s in sites.batch_statistics],
+            "random": [s.to_json() for s in sites.random],
+        },
+        comparisons=check.comparisons,
+        findings=check.findings,
+        config={
+            **(describe or {}),
+            "strategies": ["single", *wanted],
+            "world_size": world,
+            "devices": {"kind": devices.kind, "ids": list(devices.ids)},
+            "batch_size": batch,
+            "steps": steps,
+            "optimizer": optimizer,
+            "lr": lr,
+            "dtype": dtype,
+            "loss": loss if isinstance(loss, str) else getattr(loss, "__name__", "custom"),
+            "output": output,
+            "mode": mode,
+            "seed": seed,
+            "inject": list(inject),
+            "ddp_shards": "contiguous torch.chunk pieces of the global batch: rank r gets chunk r",
+            "unwrapped": prebuilt.unwrapped,
+        },
+        recorders=check.recorders,
+    )
+
+
+def _probe(template: torch.nn.Module, inputs: Any, seed: int) -> TrainModeSites:
+    import copy
+
+    model = copy.deepcopy(template)
+    try:
+        return probe(model, inputs, seed=seed)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's model failed on the user's batch
+        raise InputError(f"the model's forward failed on the batch: {type(exc).__name__}: {exc}") from exc
+
+
+def _first_runs(check: _Check, first: str) -> Outcome:
+    """Step 2 and 3: the first runs, their failures and the plain findings."""
+    modes = [first]
+    if check.mode == "auto" and check.sites and check.wanted:
+        # Train-mode behaviour: the as-is runs will almost surely differ and need the
+        # controlled ones, so they run together (one DDP launch).
+        modes.append("controlled")
+    jobs = [job for m in modes for job in mode_jobs(m, check.factories[m], check.wanted)]
+
+    def compare_local(local: dict[str, RunResult]) -> None:  # while the DDP ranks work
+        for name, ran in outcomes(dict(local), modes).items():
+            check.comparer.all(ran, name)
+
+    check.runs = outcomes(check.schedule.runs(jobs, between=compare_local), modes)
+    if "controlled" in check.runs and first != "controlled" and check.runs[first].failures:
+        del check.runs["controlled"]  # its DDP run shared the failed launch: run again if needed
+    outcome = check.runs[first]
+    findings = check.findings
+    findings += explain.notes(outcome)
+    findings += explain.numerics_differ(Numerics.comparison(), explain.numerics_seen(outcome))
+    findings += _failures(check, outcome, first)
+    check.recorders.update(_recorders(outcome, first))
+    check.comparisons += check.comparer.all(outcome, first)
+    order = tuple(check.comparer.order)
+    findings += explain.nonfinite(outcome, order)
+    ref = outcome.results.get("single")
+    unused = [n for n in order if n not in ref.grads] if ref is not None else []
+    if unused and not any(f.code == "unused-parameters" for f in findings):
+        findings.append(explain.unused_finding(unused))
+        if any(c.strategy == "ddp" and not c.ok for c in check.comparisons) and not has_errors(findings):
+            # DDP waits for gradients that never come: the bucket holding an unused
+            # parameter is not all-reduced in the first step. Compare with the flag on.
+            _retry_unused(check, outcome, first)
+            check.comparisons += [c for c in check.comparer.all(outcome, first) if c.strategy == "ddp"]
+    findings += explain.ranks_diverged(outcome)
+    return outcome
+
+
+def _failures(check: _Check, outcome: Outcome, mode: str) -> list[Finding]:
+    """A finding per failed run; a DDP failure that asks for find_unused_parameters is
+    retried with it (and becomes a warning if that works)."""
+    out = []
+    for strategy, failure in list(outcome.failures.items()):
+        if strategy == "ddp" and explain.asks_for_unused(failure):
+            out.append(explain.unused_retry_finding(strategy, failure))
+            again = _retry_unused(check, outcome, mode)
+            if again is None:
+                continue
+            failure = again
+        out.append(explain.failure_finding(strategy, mode, failure))
+    return out
+
+
+def _retry_unused(check: _Check, outcome: Outcome, mode: str) -> RankFailure | None:
+    """DDP of ``mode`` again with find_unused_parameters; its failure, if it fails."""
+    job = Job(f"{mode} ddp", check.factories[mode], "ddp", (("find_unused_parameters", True),))
+    result = check.schedule.runs([job])[job.name]
+    if isinstance(result, RankFailure):
+        outcome.failures["ddp"] = result
+        return result
+    outcome.results["ddp"] = result
+    outcome.options["ddp"] = {"find_unused_parameters": True}
+    outcome.failures.pop("ddp", None)
+    return None
+
+
+def _differing(comparisons: list[Comparison]) -> list[Comparison]:
+    """Comparisons outside tolerance (finite), less those a later retry with an option
+    (find_unused_parameters) answered."""
+    return [
+        c
+        for c in comparisons
+        if not c.ok
+        and math.isfinite(c.rel_norm_err)
+        and not (
+            not c.options
+            and any(o.strategy == c.strategy and o.mode == c.mode and o.options and o.ok for o in comparisons)
+        )
+    ]
+
+
+def _explain(check: _Check, first: str, outcome: Outcome, virtual: bool) -> None:
+    """Step 4 and 5: attribute every difference, or leave it unexplained."""
+    left = _differing(check.comparisons)
+    if not left or has_errors(check.findings):
+        return
+    possible: dict[str, list[str]] = {}
+    mode_now = first
+    if first == "as-is":
+        applicable = [
+            c
+            for c in left
+            if check.sites.random or explain.batchnorm_applies(check.sites, check.replicas.get(c.strategy, 1))
+        ]
+        if applicable and check.mode == "as-is":
+            for c in applicable:
+                possible[c.strategy] = explain.possible_causes(
+                    check.sites, c, check.replicas.get(c.strategy, 1)
+                )
+        elif applicable:
+            controlled = check.mode_runs("controlled", **outcome.options.get("ddp", {}))
+            check.recorders.update(_recorders(controlled, "controlled"))
+            check.findings += [
+                explain.failure_finding(s, "controlled", f) for s, f in controlled.failures.items()
+            ]
+            again = check.comparer.all(controlled, "controlled")
+            check.comparisons += again
+            if controlled.failures:
+                return
+            by_strategy = {c.strategy: c for c in again}
+            confirmed = [c for c in applicable if by_strategy.get(c.strategy) and by_strategy[c.strategy].ok]
+            if confirmed:
+                check.findings += explain.train_mode_findings(check.sites, confirmed, again, check.replicas)
+            # What controlled mode did not take away is judged on its own runs.
+            left = [by_strategy[c.strategy] for c in left if c not in confirmed and c.strategy in by_strategy]
+            left += [c for c in again if not c.ok and c not in left and math.isfinite(c.rel_norm_err)]
+            outcome, mode_now = controlled, "controlled"
+    left = _scale_and_shards(check, outcome, mode_now, left)
+    if left:
+        left = _reference_spread(check, outcome, mode_now, left, possible, virtual)
+
+
+def _scale_and_shards(check: _Check, outcome: Outcome, mode: str, left: list[Comparison]) -> list[Comparison]:
+    """The world-size loss scale (DDP's gradient rescaled agrees) and uneven shards (DDP
+    agrees with the mean of per-shard gradients, computed on one device)."""
+    ref, ddp = outcome.results.get("single"), outcome.results.get("ddp")
+    targets, world = check.schedule.targets, check.world
+    remaining = []
+    shard_results: dict[str, RunResult | RankFailure] | None = None
+    for c in left:
+        factor = explain.loss_scale_applies(c, world)
+        if factor and ref is not None and ddp is not None:
+            value = 1 / world if factor == "1/W" else world
+            rescaled = _scaled(ddp, 1 / value)
+            err = compare("ddp", mode, world, rescaled, ref, check.tol, check.comparer.order).rel_norm_err
+            if err <= check.tol:
+                check.findings.append(explain.loss_scale_finding(c, world, factor, err, check.loss))
+                continue
+        if c.strategy == "ddp" and len(targets) % world and ref is not None and ddp is not None:
+            if shard_results is None:
+                shard_results = check.schedule.runs(_shard_jobs(check, mode))
+            err = _mean_of_means_error(check, shard_results, ddp, mode)
+            if err is not None and err <= check.tol:
+                check.findings.append(explain.uneven_shards_finding(c, targets, world, err))
+                continue
+        remaining.append(c)
+    return remaining
+
+
+def _scaled(result: RunResult, factor: float) -> RunResult:
+    grads = {n: g * factor for n, g in result.grads.items()}
+    return RunResult(result.strategy, [], grads, {}, {}, result.recorder)
+
+
+def _shard_jobs(check: _Check, mode: str) -> list[Job]:
+    devices = check.schedule.base.devices
+    one = DeviceSet.virtual(1) if devices.kind == "virtual" else devices
+    xs, ys = split(check.schedule.inputs, check.world), check.schedule.targets.chunk(check.world)
+    return [
+        Job(f"shard {i}", check.factories[mode], "single", (("steps", 1), ("devices", one)), x, y)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True))
+    ]
+
+
+def _mean_of_means_error(
+    check: _Check, shards: dict[str, RunResult | RankFailure], ddp: RunResult, mode: str
+) -> float | None:
+    """DDP against the average of each shard's gradient (DDP's semantics, on one device)."""
+    results = list(shards.values())
+    if not all(isinstance(r, RunResult) for r in results):
+        return None
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        assert isinstance(result, RunResult)
+        for n, g in result.grads.items():
+            grads[n] = grads.get(n, torch.zeros_like(g)) + g / check.world
+    expected = RunResult("mean-of-means", [], grads, {}, {}, ddp.recorder)
+    return compare("ddp", mode, check.world, ddp, expected, check.tol, check.comparer.order).rel_norm_err
+
+
+def _reference_spread(
+    check: _Check,
+    outcome: Outcome,
+    mode: str,
+    left: list[Comparison],
+    possible: dict[str, list[str]],
+    virtual: bool,
+) -> list[Comparison]:
+    """Is the reference reproducible? single again from the same RNG state (a difference:
+    non-deterministic kernels) and, where the forward still draws random numbers, from
+    another (a difference: those draws). A strategy within that spread is explained."""
+    ref = outcome.results.get("single")
+    if ref is None:
+        return left
+    factory = check.factories[mode]
+    remaining_sites = (
+        check.sites.random
+        if mode == "as-is"
+        else _probe_controlled(check)
+        if check.sites.random or mode == "controlled"
+        else ()
+    )
+    jobs = [Job("single again", factory, "single")]
+    if remaining_sites and mode != "as-is":
+        jobs.append(Job("single other rng", OtherRng(factory, check.seed), "single"))
+    results = check.schedule.runs(jobs)
+    spreads: dict[str, float] = {}
+    for name, key in (("single again", "same seed"), ("single other rng", "another RNG state")):
+        result = results.get(name)
+        if isinstance(result, RunResult):
+            spreads[key] = compare(
+                "single", mode, check.world, result, ref, check.tol, check.comparer.order
+            ).rel_norm_err
+    ops = list(
+        dict.fromkeys(
+            op
+            for r in [*outcome.results.values(), *results.values()]
+            if isinstance(r, RunResult)
+            for op in r.nondeterministic
+        )
+    )
+    remaining = []
+    for c in left:
+        if explain.within_spread(c, spreads.get("same seed", 0.0)):
+            check.findings.append(explain.nondeterministic_finding(ops, c, spreads["same seed"]))
+        elif (
+            mode != "as-is"
+            and remaining_sites
+            and explain.within_spread(c, spreads.get("another RNG state", 0.0))
+        ):
+            check.findings.append(
+                explain.random_in_forward_finding(remaining_sites, c, spreads["another RNG state"])
+            )
+        else:
+            check.findings.append(
+                explain.mismatch_finding(c, check.tol, virtual, possible.get(c.strategy, []), spreads)
+            )
+            remaining.append(c)
+    return remaining
+
+
+def _probe_controlled(check: _Check) -> tuple[Any, ...]:
+    model = check.factories["as-is"]()
+    return probe(model, check.schedule.inputs, controlled=True, seed=check.seed).random
+
+
+def _recorders(outcome: Outcome, mode: str) -> dict[str, Recorder]:
+    return {f"{name} ({mode})": r.recorder for name, r in outcome.results.items() if r.recorder.events()}
+
+
+def gradcheck_spec(
+    model: str,
+    *,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    num_classes: int = 10,
+    batch_size: int = 8,
+    loss: str = "ce",
+    **options: Any,
+) -> GradcheckReport:
+    """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch, compare."""
+    from gpudiag.models import random_batch, resolve_model
+
+    factory = resolve_model(model, input_shape, num_classes)
+    options["inject"] = tuple(options.get("inject", ()))
+    options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
+    seed = options.get("seed", 0)
+    inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed)
+    describe = {"model": model, "input_shape": list(input_shape), "num_classes": num_classes}
+    return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)

@@ -1,0 +1,320 @@
+"""What train mode switches on in a model: found by watching one forward, and neutralised.
+
+Two things make strategies disagree although nothing is broken, and both are
+train-mode behaviour:
+
+- **batch statistics**: a BatchNorm module in train mode normalises with the statistics
+  of the batch it sees, so each replica's sub-batch gives other numbers than the whole
+  batch (every ``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm,
+  the lazy ones);
+- **random draws in forward**: dropout of every kind, attention dropout, stochastic depth /
+  drop path, RReLU, noise injection, random masking — any aten op torch tags
+  ``nondeterministic_seeded`` (``bernoulli_``, ``native_dropout``, ``rrelu_with_noise``,
+  ``rand``, ``randn``, ``randperm``, …) run with an effect.
+
+:func:`probe` runs one forward and names the module (its path and class) where each of
+these happens, by the op torch runs — not by a list of classes. :func:`neutralise` turns a
+model into its *controlled* form: BatchNorm on running statistics (``module.eval()``) and,
+while its forward runs, every random draw torch offers replaced by its expected value —
+dropout (``F.dropout``, ``dropout1d/2d/3d``, alpha dropout, the dropout inside
+``F.multi_head_attention_forward``, ``F.scaled_dot_product_attention`` and between RNN
+layers) becomes the identity, RReLU uses its mean slope, ``bernoulli(p)`` gives ``p``,
+``rand``/``uniform_`` the middle of their range, ``randn``/``normal_`` the mean. That is
+what eval mode does for dropout, RReLU and stochastic depth, but gradients still flow
+and every other train-mode switch (auxiliary heads, a model's own ``if self.training``)
+stays as it is. Draws that have no expected value of their kind (``randint``,
+``randperm``, ``multinomial``, …) are left, and the RNG is re-seeded at the start of every
+forward so that every replica draws from the same state. Whatever still draws is
+reported by :func:`probe` with ``controlled=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpudiag.runtime.batch import call_model
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where train-mode behaviour happens: the module's path in the model ("" for the
+    model itself), its class, and what it does there (an aten op, or ``batch statistics``)."""
+
+    module: str
+    cls: str
+    what: str
+
+    def describe(self) -> str:
+        return f"{self.cls} at {self.module or '(the model)'!r} ({self.what})"
+
+    def to_json(self) -> dict[str, str]:
+        return {"module": self.module, "class": self.cls, "what": self.what}
+
+
+@dataclass(frozen=True)
+class TrainModeSites:
+    """What one forward of a model did in train mode (see :func:`probe`)."""
+
+    batch_statistics: tuple[Site, ...]
+    random: tuple[Site, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.batch_statistics or self.random)
+
+
+# -- finding it -----------------------------------------------------------------------------
+
+
+def probe(model: nn.Module, inputs: Any, *, controlled: bool = False, seed: int = 0) -> TrainModeSites:
+    """Run one forward of ``model`` (in its own mode, on its device) on ``inputs`` and
+    return the modules that normalised with batch statistics and those that drew random
+    numbers with an effect. With ``controlled``, the model is probed as :func:`neutralise`
+    leaves it: what it reports is what controlled mode cannot take away. ``model`` is not
+    changed (a copy is probed when ``controlled``)."""
+    if controlled:
+        import copy
+
+        model = neutralise(copy.deepcopy(model), seed)
+    stack: list[str] = []
+    paths = {m: n for n, m in model.named_modules()}
+    batch_stats: dict[str, Site] = {}
+    handles = []
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        stack.append(paths[module])
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None
+        ):
+            name = paths[module]
+            batch_stats.setdefault(name, Site(name, type(module).__name__, "batch statistics"))
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    for module in paths:
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    draws = _SeededDraws(lambda: stack[-1] if stack else "")
+    try:
+        with torch.enable_grad(), draws:
+            call_model(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    classes = {n: type(m).__name__ for m, n in paths.items()}
+    random = {(where, op): Site(where, classes.get(where, "?"), op) for where, op in draws.found}
+    return TrainModeSites(tuple(batch_stats.values()), tuple(random.values()))
+
+
+#: Arguments whose value says a seeded op draws nothing (dropout with p 0, not training).
+_NO_EFFECT = {"p": 0.0, "dropout_p": 0.0, "train": False, "training": False}
+
+
+class _SeededDraws(TorchDispatchMode):
+    """Records (module, op) for every aten op tagged ``nondeterministic_seeded`` that runs
+    with an effect (an attention kernel with ``dropout_p=0`` draws nothing)."""
+
+    def __init__(self, where: Callable[[], str]):
+        super().__init__()
+        self.where = where
+        self.found: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            self.found.append((self.where(), str(func.overloadpacket.__name__)))
+        return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return True
+    for i, argument in enumerate(schema.arguments):
+        value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+        if argument.name in _NO_EFFECT and value is not None and value == _NO_EFFECT[argument.name]:
+            return False
+    return True
+
+
+# -- taking it away -------------------------------------------------------------------------
+
+
+def neutralise(model: nn.Module, seed: int) -> nn.Module:
+    """``model`` in controlled form (in place; returned): BatchNorm modules in eval mode,
+    and hooks on the model that run each forward under :class:`ExpectedDraws` after
+    ``torch.manual_seed(seed)`` (the CPU and every CUDA generator). The hooks are the
+    model's own, so DataParallel replicas and DDP's wrapped module run them too."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.eval()
+    modes: list[ExpectedDraws] = []
+
+    def enter(_module: nn.Module, _args: Any) -> None:
+        torch.manual_seed(seed)
+        modes.append(ExpectedDraws())
+        modes[-1].__enter__()
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        if modes:
+            modes.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+    return model
+
+
+class ExpectedDraws(TorchFunctionMode):
+    """Random draws replaced by their expected value while it is active (see the module's
+    docstring for the list). Calls it does not know pass through unchanged."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        rewrite = _REWRITES.get(func)
+        if rewrite is None:
+            return func(*args, **kwargs)
+        return rewrite(func, tuple(args), kwargs)
+
+
+def _identity(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Dropout in eval mode: the input itself."""
+    return args[0] if args else kwargs["input"]
+
+
+def _with(name: str, value: Any) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]:
+    """Call a Python function with one argument (by name) set to ``value``."""
+
+    def rewrite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.arguments[name] = value
+        return func(*bound.args, **bound.kwargs)
+
+    return rewrite
+
+
+def _at(index: int, name: str, value: Any) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]:
+    """Call a builtin with the argument at ``index`` (or keyword ``name``) set to ``value``."""
+
+    def rewrite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if len(args) > index:
+            args = (*args[:index], value, *args[index + 1 :])
+        else:
+            kwargs[name] = value
+        return func(*args, **kwargs)
+
+    return rewrite
+
+
+def _rnn_without_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.lstm``/``gru``/``rnn_*``: the dropout between layers (their only float
+    argument) set to 0; ``train`` stays (cuDNN's backward needs it)."""
+    args = tuple(0.0 if type(a) is float else a for a in args)
+    if "dropout" in kwargs:
+        kwargs["dropout"] = 0.0
+    return func(*args, **kwargs)
+
+
+def _filled(value: Callable[[tuple[Any, ...], dict[str, Any]], float]) -> Any:
+    """A draw into a new tensor, then filled with its expected value."""
+
+    def rewrite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = func(*args, **kwargs)
+        with torch.no_grad():
+            return out.fill_(value(args, kwargs))
+
+    return rewrite
+
+
+def _in_place(position: int, name: str, default: Any, mean: Callable[..., Any]) -> Any:
+    """``tensor.bernoulli_(p)``/``uniform_(a, b)``/``normal_(m, s)``: filled with the mean."""
+
+    def rewrite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensor, rest = args[0], args[1:]
+        params = [*rest, *[kwargs[k] for k in name.split(",")[len(rest) :] if k in kwargs]]
+        params += list(default[len(params) :])
+        expected = mean(*params)
+        with torch.no_grad():
+            if isinstance(expected, torch.Tensor):
+                return tensor.copy_(expected.expand_as(tensor))
+            return tensor.fill_(expected)
+
+    return rewrite
+
+
+def _bernoulli(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.bernoulli(input)`` draws 1 with probability ``input``: expected ``input``;
+    with ``p`` given, ``p`` everywhere."""
+    source = args[0] if args else kwargs["input"]
+    p = args[1] if len(args) > 1 else kwargs.get("p")
+    if p is None:
+        return source.detach().clone()
+    return torch.full_like(source, float(p))
+
+
+def _normal(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    out = func(*args, **kwargs)
+    mean = args[0] if args else kwargs.get("mean", 0.0)
+    with torch.no_grad():
+        if isinstance(mean, torch.Tensor):
+            return out.copy_(mean.expand_as(out))
+        return out.fill_(float(mean))
+
+
+_DROPOUTS = (
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    torch.dropout,
+    torch.alpha_dropout,
+    torch.feature_dropout,
+    torch.feature_alpha_dropout,
+    torch.Tensor.dropout if hasattr(torch.Tensor, "dropout") else None,
+)
+_REWRITES: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
+    **{f: _identity for f in _DROPOUTS if f is not None},
+    F.rrelu: _with("training", False),
+    F.rrelu_: _with("training", False),
+    torch.rrelu: _at(3, "training", False),
+    torch.rrelu_: _at(3, "training", False),
+    F.multi_head_attention_forward: _with("dropout_p", 0.0),
+    F.scaled_dot_product_attention: _at(4, "dropout_p", 0.0),
+    torch.lstm: _rnn_without_dropout,
+    torch.gru: _rnn_without_dropout,
+    torch.rnn_tanh: _rnn_without_dropout,
+    torch.rnn_relu: _rnn_without_dropout,
+    torch.bernoulli: _bernoulli,
+    torch.Tensor.bernoulli: _bernoulli,
+    torch.Tensor.bernoulli_: _in_place(1, "p", (0.5,), lambda p: p),
+    torch.rand: _filled(lambda a, k: 0.5),
+    torch.rand_like: _filled(lambda a, k: 0.5),
+    torch.Tensor.uniform_: _in_place(1, "from,to", (0.0, 1.0), lambda a, b: (a + b) / 2),
+    torch.randn: _filled(lambda a, k: 0.0),
+    torch.randn_like: _filled(lambda a, k: 0.0),
+    torch.Tensor.normal_: _in_place(1, "mean,std", (0.0, 1.0), lambda m, s: m),
+    torch.normal: _normal,
+}
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run a block from the RNG state ``torch.manual_seed(seed)`` gives, restoring the CPU
+    generator's state afterwards."""
+    saved = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved)
