@@ -148,6 +148,13 @@ def _dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, 
     return dims
 
 
+def _output_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | str | None:
+    """``--output 1`` is a tuple index, anything else a dict key or attribute name."""
+    if value is None:
+        return None
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
 def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in value.split(",") if s.strip())
     bad = [s for s in names if s not in ("single", "dp", "ddp")]
@@ -203,8 +210,16 @@ def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     type=click.Choice(["auto", "as-is", "controlled"]),
     default="auto",
     show_default=True,
-    help="controlled: BatchNorm on running statistics, dropout off; auto: as-is, then controlled "
-    "where that could explain a difference.",
+    help="controlled: BatchNorm on running statistics, random draws (dropout, drop path, RReLU, "
+    "noise) at their expected value; auto: as-is, then controlled where that could explain a difference.",
+)
+@click.option(
+    "--output",
+    default=None,
+    callback=_output_key,
+    metavar="KEY",
+    help="The part of the model's output the loss takes: an index into a tuple, or a dict key / "
+    "attribute (default: the tensor, .logits, 'out', or a tuple's first element).",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(

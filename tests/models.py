@@ -17,6 +17,16 @@ def bn_net() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def flat_mlp() -> nn.Module:
+    """mlp for (3, 4, 4) samples."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(48, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def flat_bn_net() -> nn.Module:
+    """bn_net for (3, 4, 4) samples."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(48, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
 class Crashes(nn.Module):
     """Raises in forward on rank 1."""
 
@@ -122,3 +132,131 @@ def assert_close_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], a
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
+
+
+# -- train-mode behaviour and randomness (tests/test_gradcheck_trainmode.py) ---------------
+
+
+class Residual(nn.Module):
+    """x + StochasticDepth(Linear(x)): torchvision's stochastic depth, row mode."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        import torchvision
+
+        self.inner = nn.Sequential(nn.Flatten(), nn.Linear(48, 48))
+        self.drop = torchvision.ops.StochasticDepth(p, "row")
+        self.head = nn.Linear(48, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.flatten(1)
+        return self.head(h + self.drop(self.inner(x)))
+
+
+class FunctionalDropout(nn.Module):
+    """F.dropout called in forward (no nn.Dropout module anywhere)."""
+
+    def __init__(self, p: float = 0.3) -> None:
+        super().__init__()
+        self.p = p
+        self.body, self.head = nn.Linear(48, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.dropout(self.body(x.flatten(1)).relu(), self.p, self.training))
+
+
+class Attention(nn.Module):
+    """A TransformerEncoderLayer (attention dropout and dropout modules) on (B, 4, 12)."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(12, 2, dim_feedforward=24, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(48, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x.reshape(len(x), 4, 12)).flatten(1))
+
+
+class RReLUNet(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Flatten(), nn.Linear(48, 32), nn.RReLU(), nn.Linear(32, 4))
+
+
+class RandomRows(nn.Module):
+    """Each sample keeps 2 of its 4 rows chosen with torch.randint: draws with no expected
+    value, shaped by the batch (so replicas cannot draw what single draws)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(len(x), 4, 12)
+        pick = torch.randint(0, 4, (len(x), 2, 1)).expand(-1, -1, 12)
+        return self.head(rows.gather(1, pick).flatten(1))
+
+
+_CALLS = [0]
+
+
+class NondeterministicKernel(nn.Module):
+    """Stands in for a CUDA kernel without a deterministic implementation: each forward
+    scales its output by 1 + 1e-3·(calls so far), and says so the way torch alerts under
+    ``use_deterministic_algorithms(True, warn_only=True)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(48, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        _CALLS[0] += 1
+        warnings.warn(
+            "fake_index_add_cuda_ does not have a deterministic implementation, but you set "
+            "'torch.use_deterministic_algorithms(True, warn_only=True)'.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return self.body(x) * (1 + 1e-3 * _CALLS[0])
+
+
+class TupleOutput(nn.Module):
+    """(logits, features): a tuple whose first element is the logits, as GoogLeNet and
+    Inception return in train mode (the features are a 16-class output of their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(48, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x.flatten(1)).relu()
+        return self.head(h), h
+
+
+class DictOutput(TupleOutput):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        out, aux = super().forward(x)
+        return {"out": out, "aux": aux}
+
+
+class ModelOutput(dict):  # type: ignore[type-arg]
+    """Like Hugging Face's ModelOutput: a dict whose keys are attributes too."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(name) from exc
+
+
+class HfStyle(nn.Module):
+    """Keyword inputs (input_ids, attention_mask) and a ModelOutput with .logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(20, 8), nn.Linear(8, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelOutput:
+        h = (self.embed(input_ids) * attention_mask[..., None]).sum(1)
+        return ModelOutput(logits=self.head(h), hidden=h)

@@ -24,7 +24,7 @@ import torch
 
 from gpudiag.checks.gradcheck import explain
 from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, tolerance
-from gpudiag.checks.gradcheck.factories import Controlled, OtherRng, Prebuilt
+from gpudiag.checks.gradcheck.factories import OTHER_RNG_OFFSET, Controlled, OtherRng, Prebuilt
 from gpudiag.checks.gradcheck.report import Comparison, GradcheckReport, has_errors, verdict
 from gpudiag.checks.gradcheck.schedule import (
     Job,
@@ -407,7 +407,12 @@ def _reference_spread(
     )
     jobs = [Job("single again", factory, "single")]
     if remaining_sites and mode != "as-is":
-        jobs.append(Job("single other rng", OtherRng(factory, check.seed), "single"))
+        other = (
+            Controlled(check.factories["as-is"], check.seed + OTHER_RNG_OFFSET)
+            if mode == "controlled"
+            else OtherRng(factory, check.seed)
+        )
+        jobs.append(Job("single other rng", other, "single"))
     results = check.schedule.runs(jobs)
     spreads: dict[str, float] = {}
     for name, key in (("single again", "same seed"), ("single other rng", "another RNG state")):

@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpudiag.runtime.batch import call_model
+from gpudiag.runtime.numerics import nondeterministic_alerts
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def probe(model: nn.Module, inputs: Any, *, controlled: bool = False, seed: int 
         handles.append(module.register_forward_hook(leave, always_call=True))
     draws = _SeededDraws(lambda: stack[-1] if stack else "")
     try:
-        with torch.enable_grad(), draws:
+        with torch.enable_grad(), nondeterministic_alerts(), draws:  # (the runs report alerts)
             call_model(model, inputs)
     finally:
         for handle in handles:
@@ -141,7 +142,10 @@ def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     if schema is None:
         return True
     for i, argument in enumerate(schema.arguments):
-        value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+        if argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            value = args[i] if i < len(args) else getattr(argument, "default_value", None)
         if argument.name in _NO_EFFECT and value is not None and value == _NO_EFFECT[argument.name]:
             return False
     return True

@@ -414,9 +414,13 @@ def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] 
         import torch
         import torch.distributed as dist
 
+        forked = fn is not None
         if fn is None:
             fn, args = _load_job(folder)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # A forked rank cannot use the parent's OpenMP thread pool (GNU OpenMP hangs in the
+        # first parallel region once the parent has used it): one thread there. A fresh
+        # interpreter gets its share of the cores.
+        torch.set_num_threads(1 if forked else max(1, (os.cpu_count() or 1) // world_size))
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
         dist.init_process_group(
             backend,

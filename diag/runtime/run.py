@@ -192,7 +192,10 @@ class Stepper:
     are (after :data:`MAX_SCALE_RETRIES` halvings the gradients are taken as they are).
     """
 
-    def __init__(self, model: nn.Module, config: RunConfig, forward: Callable[[Any], Any]):
+    def __init__(
+        self, model: nn.Module, config: RunConfig, forward: Callable[[Any], Any], selects: bool = False
+    ):
+        """``selects``: ``forward`` already returns the loss's part of the output."""
         self.model = model
         self.config = config
         self.forward = forward
@@ -206,7 +209,7 @@ class Stepper:
         if self.scaler is not None:  # something to unscale with
             self.unscaler = self.optimizer or torch.optim.SGD(model.parameters(), lr=0.0)
         self.first_grads: dict[str, torch.Tensor] = {}
-        self.select = output_selector(config)
+        self.select = None if selects else output_selector(config)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -300,14 +303,16 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
     if config.sync_batchnorm and config.strategy == "dp":
         notes.append(sync_batchnorm_note(config.strategy))
 
+    select = output_selector(config)
+
     def forward(x: Any) -> Any:
         if config.strategy == "single":
             return call_model(model, x)
         args, kwargs = ((), x) if isinstance(x, dict) else (x if isinstance(x, tuple) else (x,), {})
         # DataParallel picks each replica's loss tensor before gathering (only it travels).
-        return dp_forward(model, args, kwargs, transport, stepper.select)
+        return dp_forward(model, args, kwargs, transport, select)
 
-    stepper = Stepper(model, config, forward)
+    stepper = Stepper(model, config, forward, selects=config.strategy == "dp")
     initial = _cpu(dict(model.named_parameters())) if config.steps > 1 else {}
     losses = []
     first = devices.torch_device(devices.ids[0])
