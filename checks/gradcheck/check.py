@@ -119,7 +119,7 @@ def gradcheck(
         "single",
         devices,
         steps=steps,
-        optimizer=optimizer,  # type: ignore[arg-type]
+        optimizer=optimizer,
         lr=lr,
         loss=loss,
         dtype=dtype,

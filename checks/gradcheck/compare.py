@@ -48,7 +48,7 @@ class RefSide:
 
 def ref_side(ref: RunResult, names: list[str]) -> RefSide:
     b_list = [ref.grads[n] for n in names]
-    return RefSide(names, norms(b_list), torch._foreach_clamp_min(torch._foreach_abs(b_list), 1e-12))
+    return RefSide(names, norms(b_list), list(torch._foreach_clamp_min(torch._foreach_abs(b_list), 1e-12)))
 
 
 def compare(
@@ -71,7 +71,7 @@ def compare(
     if side is None or side.names != names:
         side = ref_side(ref, names)
     a_list, b_list = [got.grads[n] for n in names], [ref.grads[n] for n in names]
-    deltas = torch._foreach_sub(a_list, b_list) if names else []
+    deltas = list(torch._foreach_sub(a_list, b_list)) if names else []
     torch._foreach_abs_(deltas)
     d_norms, b_norms, a_norms = norms(deltas), side.norms, norms(a_list)
     p_abs = _maxes(deltas)

@@ -326,8 +326,8 @@ def loss_scale_finding(c: Comparison, world: int, factor: str, rescaled_err: flo
         "loss-scale-world-size",
         "warning",
         f"DDP's gradient is {c.norm_ratio:.4g}x single's ({factor}, W={world}) with cosine {c.cosine:.6f}: "
-        f"the loss scale depends on the world size (rescaled by {factor if factor == 'W' else '1/W'}^-1 it "
-        f"differs by {rescaled_err:.3g})",
+        f"the loss scale depends on the world size (multiplied by {'W' if factor == '1/W' else '1/W'} it "
+        f"differs from single by {rescaled_err:.3g})",
         {
             "strategy": c.strategy,
             "norm_ratio": c.norm_ratio,

@@ -64,7 +64,7 @@ class Schedule:
         self.inputs, self.targets, self.base = inputs, targets, base
 
     def config(self, job: Job) -> RunConfig:
-        config = replace(self.base, strategy=job.strategy, **dict(job.options))  # type: ignore[arg-type]
+        config = replace(self.base, strategy=job.strategy, **dict(job.options))
         if job.strategy == "ddp":
             config = replace(config, track_params=self.base.steps > 1)
         return config

@@ -285,7 +285,7 @@ _DROPOUTS = (
     torch.alpha_dropout,
     torch.feature_dropout,
     torch.feature_alpha_dropout,
-    torch.Tensor.dropout if hasattr(torch.Tensor, "dropout") else None,
+    getattr(torch.Tensor, "dropout", None),
 )
 _REWRITES: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
     **{f: _identity for f in _DROPOUTS if f is not None},
