@@ -49,3 +49,27 @@ def test_ddp_over_nccl_on_one_gpu() -> None:
     x, y = models.batch(8)
     result = run(models.mlp, x, y, RunConfig("ddp", DeviceSet.cuda([0]), steps=2))
     assert len(result.losses) == 2 and result.recorder.buckets
+
+
+class _IndexAdd(torch.nn.Module):
+    """Sums rows into buckets with index_add_, which has no deterministic CUDA kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return torch.zeros(2, 4, device=x.device).index_add_(0, torch.arange(len(x), device=x.device) % 2, h)
+
+
+@pytest.mark.gpu
+def test_an_op_without_a_deterministic_cuda_kernel_is_recorded() -> None:
+    x, y = torch.randn(6, 8), torch.randn(2, 4)
+    config = RunConfig("single", DeviceSet.cuda([0]), loss="mse", numerics=Numerics.comparison())
+    result = run(_IndexAdd, x, y, config)
+    assert any("index_add" in op for op in result.nondeterministic), result.nondeterministic
+    cpu = run(
+        _IndexAdd, x, y, RunConfig("single", DeviceSet.virtual(1), loss="mse", numerics=Numerics.comparison())
+    )
+    assert cpu.nondeterministic == []  # the CPU kernel is deterministic
