@@ -260,3 +260,17 @@ class HfStyle(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> ModelOutput:
         h = (self.embed(input_ids) * attention_mask[..., None]).sum(1)
         return ModelOutput(logits=self.head(h), hidden=h)
+
+
+class Warns(nn.Module):
+    """mlp whose forward warns (as DDP's reducer does about gradient strides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("a harmless warning from the model", UserWarning, stacklevel=2)
+        return self.body(x)

@@ -278,3 +278,10 @@ def test_torchrun_group_is_joined_instead_of_launching() -> None:
     for got, want in zip(doc["rank_losses"], local.rank_losses, strict=True):
         assert got == pytest.approx(want)
     assert doc["digests"][0] == doc["digests"][1]
+
+
+@pytest.mark.filterwarnings("error")
+def test_ranks_do_not_inherit_a_warnings_as_errors_filter() -> None:
+    x, y = models.batch(8)
+    result = run(models.Warns, x, y, RunConfig("ddp", DeviceSet.virtual(2)))
+    assert len(result.rank_losses) == 2

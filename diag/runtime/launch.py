@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,6 +416,11 @@ def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] 
         import torch.distributed as dist
 
         forked = fn is not None
+        if forked:
+            # A fresh interpreter starts with Python's warning filters; a forked rank would
+            # inherit the caller's (pytest's or -W error), where a harmless DDP warning
+            # would crash the rank.
+            warnings.resetwarnings()
         if fn is None:
             fn, args = _load_job(folder)
         # A forked rank cannot use the parent's OpenMP thread pool (GNU OpenMP hangs in the
