@@ -289,7 +289,7 @@ def train_mode_findings(
                 "dropout-active",
                 "warning",
                 f"random draws of train mode ({_sites_text(sites.random)}) differ under each strategy: "
-                f"{numbers} (draws at their expected value, as in eval mode)",
+                f"{numbers} (every random draw at its expected value)",
                 {**evidence, "modules": [s.to_json() for s in sites.random]},
                 cause="dropout masks, dropped paths and noise depend on how the batch is split and on "
                 "which RNG each device draws from",
