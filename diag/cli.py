@@ -560,7 +560,10 @@ def main() -> None:
     Once the command has finished and its output is flushed, the process leaves with
     ``os._exit``: tearing down an interpreter that loaded torch takes most of a second and
     does nothing a finished command needs (its files are already closed and renamed, rank
-    processes already reaped).
+    processes already reaped, temporary folders removed in ``finally`` blocks). Measured
+    2026-11-23 (commit a210671, 2-core machine), `gpudiag gradcheck --model mlp
+    --input-shape 3,8,8` three times each: 2.48 / 2.33 / 2.27 s with ``os._exit`` against
+    3.07 / 3.12 / 3.15 s leaving normally.
     """
     try:
         cli(prog_name="gpudiag")
