@@ -204,6 +204,7 @@ def random_batch(
     num_classes: int,
     loss: str,
     seed: int = 0,
+    output: int | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded random batch: inputs of ``(batch_size, *input_shape)`` and targets — class
     indices below ``num_classes`` for ``ce`` losses, standard-normal values shaped like the
@@ -221,6 +222,9 @@ def random_batch(
         raise InputError(
             f"the model does not accept inputs of shape {tuple(inputs.shape[1:])}: {exc}"
         ) from exc
+    from gpudiag.runtime.batch import select_output
+
+    out = select_output(out, output)  # the part the loss takes (tuple, dict, .logits)
     return inputs, torch.randn(batch_size, *out.shape[1:], generator=generator)
 
 

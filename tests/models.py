@@ -274,3 +274,18 @@ class Warns(nn.Module):
 
         warnings.warn("a harmless warning from the model", UserWarning, stacklevel=2)
         return self.body(x)
+
+
+def bn_without_running_stats() -> nn.Module:
+    """BatchNorm1d(track_running_stats=False): batch statistics in every mode."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(48, 16),
+        nn.BatchNorm1d(16, track_running_stats=False),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+    )
+
+
+def factory_that_raises() -> nn.Module:
+    raise RuntimeError("factory boom")

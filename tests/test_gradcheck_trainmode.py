@@ -188,3 +188,28 @@ def test_cli_output_option() -> None:
     assert json.loads(result.stdout)["config"]["output"] == 1
     bad = runner.invoke(cli, ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--output", "nope"])
     assert bad.exit_code == 2 and "--output 'nope'" in bad.output and "Traceback" not in bad.output
+
+
+def test_batchnorm_without_running_statistics_stays_a_possible_cause() -> None:
+    report = check(models.bn_without_running_stats)
+    assert report.verdict == "fail", report.summary()  # nothing can confirm it
+    mismatch = finding(report, "mismatch-unexplained")
+    assert "BatchNorm without running statistics" in mismatch["message"]
+    assert "--mode auto" not in mismatch["fix"]  # it already ran in auto mode
+
+
+def test_a_factory_that_raises_is_bad_input() -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["gradcheck", "--model", f"{Path(models.__file__)}:factory_that_raises", "--input-shape", "3,4,4"],
+    )
+    assert result.exit_code == 2 and "the model factory raised RuntimeError: factory boom" in result.output
+
+
+def test_mse_targets_follow_the_selected_output() -> None:
+    spec = f"{Path(models.__file__)}:TupleOutput"
+    result = CliRunner().invoke(
+        cli, ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--loss", "mse", "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verdict"] == "pass"

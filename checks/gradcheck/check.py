@@ -134,7 +134,12 @@ def gradcheck(
     wanted = [s for s in strategies if s != "single"]
     with numerics.applied():  # here (the template is built under them too); every rank sets them itself
         torch.manual_seed(seed)
-        template = prebuilt()
+        try:
+            template = prebuilt()
+        except InputError:
+            raise
+        except Exception as exc:  # the user's factory failed
+            raise InputError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
         order = tuple(n for n, p in template.named_parameters() if p.requires_grad)
         sites = _probe(template, inputs, seed)
         check = _Check(
@@ -398,13 +403,19 @@ def _reference_spread(
     if ref is None:
         return left
     factory = check.factories[mode]
+    left_in_controlled = _probe_controlled(check) if mode == "controlled" and check.sites else None
     remaining_sites = (
-        check.sites.random
-        if mode == "as-is"
-        else _probe_controlled(check)
-        if check.sites.random or mode == "controlled"
-        else ()
+        check.sites.random if mode == "as-is" else left_in_controlled.random if left_in_controlled else ()
     )
+    if left_in_controlled is not None and left_in_controlled.batch_statistics:
+        # BatchNorm without running statistics: controlled mode cannot replace its batch
+        # statistics, so it stays a possible cause.
+        for c in left:
+            if explain.batchnorm_applies(left_in_controlled, check.replicas.get(c.strategy, 1)):
+                possible.setdefault(c.strategy, []).append(
+                    "BatchNorm without running statistics, so batch statistics even in controlled mode "
+                    f"({explain.sites_text(left_in_controlled.batch_statistics)})"
+                )
     jobs = [Job("single again", factory, "single")]
     if remaining_sites and mode != "as-is":
         other = (
@@ -443,15 +454,19 @@ def _reference_spread(
             )
         else:
             check.findings.append(
-                explain.mismatch_finding(c, check.tol, virtual, possible.get(c.strategy, []), spreads)
+                explain.mismatch_finding(
+                    c, check.tol, virtual, possible.get(c.strategy, []), spreads, check.mode
+                )
             )
             remaining.append(c)
     return remaining
 
 
-def _probe_controlled(check: _Check) -> tuple[Any, ...]:
+def _probe_controlled(check: _Check) -> TrainModeSites:
+    """What train mode still does in controlled form (random draws without an expected
+    value, BatchNorm without running statistics)."""
     model = check.factories["as-is"]()
-    return probe(model, check.schedule.inputs, controlled=True, seed=check.seed).random
+    return probe(model, check.schedule.inputs, controlled=True, seed=check.seed)
 
 
 def _recorders(outcome: Outcome, mode: str) -> dict[str, Recorder]:
@@ -474,6 +489,7 @@ def gradcheck_spec(
     options["inject"] = tuple(options.get("inject", ()))
     options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
     seed = options.get("seed", 0)
-    inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed)
+    output = options.get("output")
+    inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed, output)
     describe = {"model": model, "input_shape": list(input_shape), "num_classes": num_classes}
     return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)

@@ -241,7 +241,7 @@ def uneven_info(batch: int, world: int) -> Finding:
 # -- causes of a difference ------------------------------------------------------------------
 
 
-def _sites_text(sites: tuple[Site, ...] | list[Site]) -> str:
+def sites_text(sites: tuple[Site, ...] | list[Site]) -> str:
     shown = "; ".join(s.describe() for s in sites[:SHOWN])
     return shown + (f" and {len(sites) - SHOWN} more" if len(sites) > SHOWN else "")
 
@@ -276,7 +276,7 @@ def train_mode_findings(
                 "batchnorm-per-replica",
                 "warning",
                 f"BatchNorm normalises each replica's sub-batch with its own statistics "
-                f"({_sites_text(sites.batch_statistics)}): {numbers} (BatchNorm on running statistics)",
+                f"({sites_text(sites.batch_statistics)}): {numbers} (BatchNorm on running statistics)",
                 {**evidence, "modules": [s.to_json() for s in sites.batch_statistics]},
                 cause="per-device batch statistics (expected with DP and with DDP without SyncBatchNorm)",
                 fix="for agreement, use SyncBatchNorm under DDP (torch.nn.SyncBatchNorm."
@@ -288,8 +288,8 @@ def train_mode_findings(
             Finding(
                 "dropout-active",
                 "warning",
-                f"random draws of train mode ({_sites_text(sites.random)}) differ under each strategy: "
-                f"{numbers} (every random draw at its expected value)",
+                f"random draws of train mode ({sites_text(sites.random)}) differ under each strategy: "
+                f"{numbers} (random draws at their expected value, the RNG re-seeded at every forward)",
                 {**evidence, "modules": [s.to_json() for s in sites.random]},
                 cause="dropout masks, dropped paths and noise depend on how the batch is split and on "
                 "which RNG each device draws from",
@@ -304,9 +304,9 @@ def possible_causes(sites: TrainModeSites, c: Comparison, replicas: int) -> list
     """Train-mode causes that can apply to ``c`` but were not confirmed (as-is mode)."""
     out = []
     if batchnorm_applies(sites, replicas):
-        out.append(f"BatchNorm batch statistics per replica ({_sites_text(sites.batch_statistics)})")
+        out.append(f"BatchNorm batch statistics per replica ({sites_text(sites.batch_statistics)})")
     if sites.random:
-        out.append(f"random draws in train mode ({_sites_text(sites.random)})")
+        out.append(f"random draws in train mode ({sites_text(sites.random)})")
     return out
 
 
@@ -372,7 +372,7 @@ def random_in_forward_finding(left: tuple[Site, ...], c: Comparison, spread: flo
         "warning",
         f"the reference is not reproducible: with the RNG in another state single's gradient moves by "
         f"{spread:.3g}, because the forward draws random numbers gradcheck cannot make identical across "
-        f"replicas ({_sites_text(left)}); {c.strategy} differs by {c.rel_norm_err:.3g}, within that",
+        f"replicas ({sites_text(left)}); {c.strategy} differs by {c.rel_norm_err:.3g}, within that",
         {
             "strategy": c.strategy,
             "rel_norm_err": c.rel_norm_err,
@@ -408,7 +408,12 @@ def nondeterministic_finding(ops: list[str], c: Comparison, spread: float) -> Fi
 
 
 def mismatch_finding(
-    c: Comparison, tol: float, virtual: bool, possible: list[str], spreads: dict[str, float]
+    c: Comparison,
+    tol: float,
+    virtual: bool,
+    possible: list[str],
+    spreads: dict[str, float],
+    mode: str = "auto",
 ) -> Finding:
     """A difference nothing confirmed. On CPU virtual devices there is no link to blame."""
     maybe = f"; possible cause (not confirmed): {'; '.join(possible)}" if possible else ""
@@ -418,7 +423,13 @@ def mismatch_finding(
             "not a link or transfer fault: these are CPU virtual devices (simulated), where no link exists; "
             "something in the model or the comparison that gradcheck does not know"
         )
-        fix = "rerun with --mode auto (the default) to test the possible causes, or report the model"
+        fix = (
+            "rerun with --mode auto (the default) to test the possible causes"
+            if mode == "as-is" and possible
+            else "take the possible causes out of the model to see whether the difference goes away"
+            if possible
+            else "report the model (--format json) with the gpudiag version"
+        )
     else:
         cause = (
             "a real fault (a corrupting transfer, a kernel bug) or a model that is not deterministic "
