@@ -289,3 +289,20 @@ def bn_without_running_stats() -> nn.Module:
 
 def factory_that_raises() -> nn.Module:
     raise RuntimeError("factory boom")
+
+
+class _Plain:
+    """An output object that is neither a tensor, a tuple nor a dict (DDP cannot look inside)."""
+
+    def __init__(self, logits: torch.Tensor, other: torch.Tensor) -> None:
+        self.logits, self.other = logits, other
+
+
+class PlainObjectWithUnusedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(48, 4), nn.Linear(48, 4)
+
+    def forward(self, x: torch.Tensor) -> _Plain:
+        h = x.flatten(1)
+        return _Plain(self.fc(h), self.fc2(h))

@@ -213,3 +213,39 @@ def test_mse_targets_follow_the_selected_output() -> None:
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verdict"] == "pass"
+
+
+class OnlyFullBatches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(48, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) < 8:
+            raise RuntimeError("only full batches")
+        return self.body(x)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: check(models.flat_mlp, world_size=0), "world_size must be at least 1"),
+        (lambda: check(models.flat_mlp, inputs=[X]), "inputs must be a tensor, a tuple or a dict"),
+        (lambda: check(models.flat_mlp, targets=Y[:5]), "targets must be a tensor of 8 rows"),
+        (lambda: check(models.flat_mlp, inputs=torch.tensor(1.0)), "batch dimension"),
+        (lambda: check(OnlyFullBatches, strategies=("single", "dp")), "the model failed under dp"),
+    ],
+)
+def test_bad_api_input_is_an_input_error(call: Callable[[], object], message: str) -> None:
+    from gpudiag.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_a_failed_find_unused_retry_is_reported_once() -> None:
+    report = check(models.PlainObjectWithUnusedHead)
+    assert report.verdict == "fail"
+    assert [c.strategy for c in report.comparisons] == ["dp", "ddp"]  # no comparison twice
+    assert codes(report) == ["unused-parameters", "rank-crashed"], report.summary()
+    assert "find_unused_parameters" in finding(report, "rank-crashed")["message"]

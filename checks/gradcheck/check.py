@@ -111,8 +111,12 @@ def gradcheck(
         raise ValueError(f"mode must be auto, as-is or controlled, not {mode!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+    if devices is None and world_size < 1:
+        raise InputError(f"world_size must be at least 1, not {world_size}")
     devices = devices or default_devices(world_size)
     world, tol, batch = len(devices), tolerance(dtype), batch_size(inputs)
+    if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or len(targets) != batch:
+        raise InputError(f"targets must be a tensor of {batch} rows, one per sample of the inputs")
     prebuilt = Prebuilt(model_factory)
     numerics = Numerics.comparison()
     base = RunConfig(
@@ -240,8 +244,12 @@ def _first_runs(check: _Check, first: str) -> Outcome:
         if any(c.strategy == "ddp" and not c.ok for c in check.comparisons) and not has_errors(findings):
             # DDP waits for gradients that never come: the bucket holding an unused
             # parameter is not all-reduced in the first step. Compare with the flag on.
-            _retry_unused(check, outcome, first)
-            check.comparisons += [c for c in check.comparer.all(outcome, first) if c.strategy == "ddp"]
+            failure = _retry_unused(check, outcome, first)
+            if failure is not None:  # DDP could not find the unused parameters either
+                outcome.failures.pop("ddp", None)
+                findings.append(explain.failure_finding("ddp", f"{first}, find_unused_parameters", failure))
+            else:
+                check.comparisons += [c for c in check.comparer.all(outcome, first) if c.strategy == "ddp"]
     findings += explain.ranks_diverged(outcome)
     return outcome
 

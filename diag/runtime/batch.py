@@ -71,7 +71,13 @@ def to_device(inputs: Any, device: torch.device) -> Any:
 def batch_size(inputs: Any) -> int:
     """The batch size: dim 0 of the first tensor."""
     if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 0:
+            raise InputError("inputs need a batch dimension (dim 0), not a 0-d tensor")
         return len(inputs)
+    if not isinstance(inputs, (tuple, dict)):
+        raise InputError(
+            f"inputs must be a tensor, a tuple or a dict of tensors, not {type(inputs).__name__}"
+        )
     values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
     if not values:
         raise InputError("the inputs hold no tensor")
