@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import time
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -13,6 +14,8 @@ from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner
 from gpudiag.repro.env import collect_env, env_lines
 from gpudiag.repro.redact import MARK, Redactor, is_secret_name
+
+HERE = Path(__file__).parent
 
 HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"
 GHP = "ghp_" + "0123456789abcdefghijABCDEFGHIJ012345"
@@ -188,7 +191,7 @@ def test_env_command_formats(monkeypatch) -> None:
 
 
 def test_gpus_section_from_nvml_maps_torch_indices_and_drops_uuids(monkeypatch) -> None:
-    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", "tests/data/nvml/h100_8gpu_nvswitch.json")
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(HERE / "data/nvml/h100_8gpu_nvswitch.json"))
     environ = {"CUDA_VISIBLE_DEVICES": "3,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     report = collect_env(Commands({}), environ)
     gpus = report.sections["gpus"]

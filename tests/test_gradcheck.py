@@ -13,6 +13,7 @@ from gpudiag.cli import cli
 from tests import models
 
 SMALL = ["--input-shape", "3,8,8"]
+MODELS = Path(models.__file__)
 
 
 def gradcheck(*args: str) -> tuple[int, dict]:
@@ -79,7 +80,7 @@ def test_auto_mode_starts_one_ddp_launch_for_as_is_and_controlled(monkeypatch: p
 
 def test_a_crash_in_the_controlled_ddp_run_is_pinned_on_it() -> None:
     code, doc = gradcheck(
-        "--model", "tests/models.py:CrashesWhenControlled", "--input-shape", "8", "--num-classes", "4"
+        "--model", f"{MODELS}:CrashesWhenControlled", "--input-shape", "8", "--num-classes", "4"
     )
     assert code == 1 and doc["verdict"] == "fail"
     (finding,) = [f for f in doc["findings"] if f["code"] == "rank-crashed"]
@@ -91,7 +92,7 @@ def test_a_crash_in_the_controlled_ddp_run_is_pinned_on_it() -> None:
 
 def test_batchnorm_and_an_unused_parameter_are_both_explained() -> None:
     code, doc = gradcheck(
-        "--model", "tests/models.py:UnusedWithBatchNorm", "--input-shape", "8", "--num-classes", "4"
+        "--model", f"{MODELS}:UnusedWithBatchNorm", "--input-shape", "8", "--num-classes", "4"
     )
     assert code == 0 and doc["verdict"] == "explained", doc["findings"]
     assert sorted(codes(doc)) == ["batchnorm-per-replica", "unused-parameters"]
@@ -154,7 +155,7 @@ def test_unused_parameter_is_found_and_retried() -> None:
 
 
 def test_crashing_rank_fails_with_rank_crashed() -> None:
-    code, doc = gradcheck("--model", "tests/models.py:Crashes", "--input-shape", "8", "--num-classes", "4")
+    code, doc = gradcheck("--model", f"{MODELS}:Crashes", "--input-shape", "8", "--num-classes", "4")
     assert code == 1 and doc["verdict"] == "fail"
     (finding,) = [f for f in doc["findings"] if f["code"] == "rank-crashed"]
     assert finding["evidence"]["rank"] == 1 and "boom on rank 1" in finding["evidence"]["detail"]

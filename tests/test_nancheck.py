@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -10,7 +11,7 @@ from click.testing import CliRunner
 from gpudiag.checks.nancheck import Outcome, conclude, parse_pairs
 from gpudiag.cli import cli
 
-SEED = "diag/examples/seed_8gpu_machine.json"
+SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
 
 
 def nancheck(*args: str) -> tuple[int, dict]:

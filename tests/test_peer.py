@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -12,7 +13,7 @@ from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner, acs_redirects, collect, iommu_mode
 from gpudiag.hw.machine import load_machine
 
-SEED = "diag/examples/seed_8gpu_machine.json"
+SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
 
 LSPCI = """\
 00:01.1 PCI bridge: Advanced Micro Devices, Inc. [AMD] Starship/Matisse GPP Bridge

@@ -75,7 +75,7 @@ def test_ranks_build_the_parents_model_even_from_a_users_file() -> None:
     factories = [
         Prebuilt(_Noisy),
         Prebuilt(_NoisyWithHook),
-        Prebuilt(resolve_model("tests/models.py:UnusedWithBatchNorm", (8,), 4)),  # a private module
+        Prebuilt(resolve_model(f"{Path(models.__file__)}:UnusedWithBatchNorm", (8,), 4)),  # a private module
     ]
     torch.manual_seed(0)
     want = [f().state_dict() for f in factories]

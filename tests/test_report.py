@@ -19,8 +19,11 @@ from gpudiag.repro.report import read_bundle
 from gpudiag.repro.scripts import repro_script
 from gpudiag.runtime.launch import launch, rank_logs
 
-SEED_CAPTURE = "diag/examples/seed_8gpu_topo.txt"
-FOUR_GPUS = "tests/data/topo/v100_4gpu_nv1_nv2_numa.txt"  # NVLink between some pairs only
+HERE = Path(__file__).parent
+SEED_CAPTURE = str(HERE.parent / "diag/examples/seed_8gpu_topo.txt")
+FOUR_GPUS = str(
+    Path(__file__).parent / "data/topo/v100_4gpu_nv1_nv2_numa.txt"
+)  # NVLink between some pairs only
 HF = "hf_" + "QwErTyUiOpAsDfGhJkLzXcVbNm123456"
 PASSWORD = "tr0ub4dor-and-3-horses"
 CONF_TOKEN = "ghp_" + "ZYXWVUTSRQponmlkjihgfedcba9876543210"
@@ -424,7 +427,7 @@ def test_pairs_limit_peer_and_nancheck(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("no_gpu")
 def test_doctor_reads_the_topology_from_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", "tests/data/nvml/a100_4gpu_fabric_down.json")
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(HERE / "data/nvml/a100_4gpu_fabric_down.json"))
     result = CliRunner().invoke(
         cli, ["doctor", "--checks", "topology,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
     )

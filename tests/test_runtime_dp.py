@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.transport import Transport
 from tests import models
 
-SEED_MACHINE = load_machine("diag/examples/seed_8gpu_machine.json")
+SEED_MACHINE = load_machine(str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json"))
 
 
 close = models.assert_close_dicts
