@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from gpudiag.checks.gradcheck import explain
-from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, tolerance
+from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, mean_of, scaled, tolerance
 from gpudiag.checks.gradcheck.factories import OTHER_RNG_OFFSET, Controlled, OtherRng, Prebuilt
 from gpudiag.checks.gradcheck.report import Comparison, GradcheckReport, has_errors, verdict
 from gpudiag.checks.gradcheck.schedule import (
@@ -349,7 +349,7 @@ def _scale_and_shards(check: _Check, outcome: Outcome, mode: str, left: list[Com
         factor = explain.loss_scale_applies(c, world)
         if factor and ref is not None and ddp is not None:
             value = 1 / world if factor == "1/W" else world
-            rescaled = _scaled(ddp, 1 / value)
+            rescaled = scaled(ddp, 1 / value)
             err = compare("ddp", mode, world, rescaled, ref, check.tol, check.comparer.order).rel_norm_err
             if err <= check.tol:
                 check.findings.append(explain.loss_scale_finding(c, world, factor, err, check.loss))
@@ -357,17 +357,19 @@ def _scale_and_shards(check: _Check, outcome: Outcome, mode: str, left: list[Com
         if c.strategy == "ddp" and len(targets) % world and ref is not None and ddp is not None:
             if shard_results is None:
                 shard_results = check.schedule.runs(_shard_jobs(check, mode))
-            err = _mean_of_means_error(check, shard_results, ddp, mode)
-            if err is not None and err <= check.tol:
+            shards = [r for r in shard_results.values() if isinstance(r, RunResult)]
+            err = (
+                compare(
+                    "ddp", mode, world, ddp, mean_of(shards), check.tol, check.comparer.order
+                ).rel_norm_err
+                if len(shards) == world
+                else math.inf
+            )
+            if err <= check.tol:
                 check.findings.append(explain.uneven_shards_finding(c, targets, world, err))
                 continue
         remaining.append(c)
     return remaining
-
-
-def _scaled(result: RunResult, factor: float) -> RunResult:
-    grads = {n: g * factor for n, g in result.grads.items()}
-    return RunResult(result.strategy, [], grads, {}, {}, result.recorder)
 
 
 def _shard_jobs(check: _Check, mode: str) -> list[Job]:
@@ -378,22 +380,6 @@ def _shard_jobs(check: _Check, mode: str) -> list[Job]:
         Job(f"shard {i}", check.factories[mode], "single", (("steps", 1), ("devices", one)), x, y)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True))
     ]
-
-
-def _mean_of_means_error(
-    check: _Check, shards: dict[str, RunResult | RankFailure], ddp: RunResult, mode: str
-) -> float | None:
-    """DDP against the average of each shard's gradient (DDP's semantics, on one device)."""
-    results = list(shards.values())
-    if not all(isinstance(r, RunResult) for r in results):
-        return None
-    grads: dict[str, torch.Tensor] = {}
-    for result in results:
-        assert isinstance(result, RunResult)
-        for n, g in result.grads.items():
-            grads[n] = grads.get(n, torch.zeros_like(g)) + g / check.world
-    expected = RunResult("mean-of-means", [], grads, {}, {}, ddp.recorder)
-    return compare("ddp", mode, check.world, ddp, expected, check.tol, check.comparer.order).rel_norm_err
 
 
 def _reference_spread(

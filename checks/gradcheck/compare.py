@@ -198,3 +198,19 @@ class Comparer:
             comparison.options = dict(outcome.options.get(strategy, {}))
             out.append(comparison)
         return out
+
+
+def scaled(result: RunResult, factor: float) -> RunResult:
+    """``result``'s gradients times ``factor`` (undoing a loss scale)."""
+    grads = {n: g * factor for n, g in result.grads.items()}
+    return RunResult(result.strategy, [], grads, {}, {}, result.recorder)
+
+
+def mean_of(results: list[RunResult]) -> RunResult:
+    """The average of the runs' gradients: DDP's semantics (the mean of per-shard
+    gradients), recomputed from one run per shard."""
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        for n, g in result.grads.items():
+            grads[n] = grads.get(n, torch.zeros_like(g)) + g / len(results)
+    return RunResult("mean-of-means", [], grads, {}, {}, results[0].recorder)
