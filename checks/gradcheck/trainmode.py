@@ -30,9 +30,9 @@ reported by :func:`probe` with ``controlled=True``.
 
 from __future__ import annotations
 
+import copy
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,11 +81,10 @@ def probe(model: nn.Module, inputs: Any, *, controlled: bool = False, seed: int 
     return the modules that normalised with batch statistics and those that drew random
     numbers with an effect. With ``controlled``, the model is probed as :func:`neutralise`
     leaves it: what it reports is what controlled mode cannot take away. ``model`` is not
-    changed (a copy is probed when ``controlled``)."""
+    changed: a copy is probed (a forward in train mode updates BatchNorm statistics)."""
+    model = copy.deepcopy(model)
     if controlled:
-        import copy
-
-        model = neutralise(copy.deepcopy(model), seed)
+        neutralise(model, seed)
     stack: list[str] = []
     paths = {m: n for n, m in model.named_modules()}
     batch_stats: dict[str, Site] = {}
@@ -239,13 +238,16 @@ def _filled(value: Callable[[tuple[Any, ...], dict[str, Any]], float]) -> Any:
     return rewrite
 
 
-def _in_place(position: int, name: str, default: Any, mean: Callable[..., Any]) -> Any:
-    """``tensor.bernoulli_(p)``/``uniform_(a, b)``/``normal_(m, s)``: filled with the mean."""
+def _in_place(names: tuple[str, ...], defaults: tuple[Any, ...], mean: Callable[..., Any]) -> Any:
+    """``tensor.bernoulli_(p)``/``uniform_(from, to)``/``normal_(mean, std)``: the tensor
+    filled with the distribution's mean (parameters by position or by name)."""
 
     def rewrite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tensor, rest = args[0], args[1:]
-        params = [*rest, *[kwargs[k] for k in name.split(",")[len(rest) :] if k in kwargs]]
-        params += list(default[len(params) :])
+        tensor, given = args[0], args[1:]
+        params = [
+            given[i] if i < len(given) else kwargs.get(name, default)
+            for i, (name, default) in enumerate(zip(names, defaults, strict=True))
+        ]
         expected = mean(*params)
         with torch.no_grad():
             if isinstance(expected, torch.Tensor):
@@ -301,24 +303,12 @@ _REWRITES: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
     torch.rnn_relu: _rnn_without_dropout,
     torch.bernoulli: _bernoulli,
     torch.Tensor.bernoulli: _bernoulli,
-    torch.Tensor.bernoulli_: _in_place(1, "p", (0.5,), lambda p: p),
+    torch.Tensor.bernoulli_: _in_place(("p",), (0.5,), lambda p: p),
     torch.rand: _filled(lambda a, k: 0.5),
     torch.rand_like: _filled(lambda a, k: 0.5),
-    torch.Tensor.uniform_: _in_place(1, "from,to", (0.0, 1.0), lambda a, b: (a + b) / 2),
+    torch.Tensor.uniform_: _in_place(("from", "to"), (0.0, 1.0), lambda a, b: (a + b) / 2),
     torch.randn: _filled(lambda a, k: 0.0),
     torch.randn_like: _filled(lambda a, k: 0.0),
-    torch.Tensor.normal_: _in_place(1, "mean,std", (0.0, 1.0), lambda m, s: m),
+    torch.Tensor.normal_: _in_place(("mean", "std"), (0.0, 1.0), lambda m, s: m),
     torch.normal: _normal,
 }
-
-
-@contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run a block from the RNG state ``torch.manual_seed(seed)`` gives, restoring the CPU
-    generator's state afterwards."""
-    saved = torch.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved)

@@ -55,6 +55,16 @@ def _same_pieces(sizes: set[int]) -> None:
         raise InputError("every input tensor must have the same batch size (dim 0)")
 
 
+def micro_batches(
+    inputs: Any, targets: torch.Tensor, count: int, device: torch.device
+) -> list[tuple[Any, Any]]:
+    """``(inputs, targets)`` in ``count`` micro-batches (``torch.chunk`` pieces), the inputs
+    moved to ``device`` (the targets follow the model's output there)."""
+    return [
+        (to_device(x, device), y) for x, y in zip(split(inputs, count), targets.chunk(count), strict=True)
+    ]
+
+
 def shard(inputs: Any, rank: int, world: int) -> Any:
     """Rank ``rank``'s contiguous shard of the global batch (``torch.chunk`` piece ``rank``)."""
     return split(inputs, world)[rank]

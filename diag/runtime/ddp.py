@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.errors import InputError
-from gpudiag.runtime.batch import call_model, shard, split, to_device
+from gpudiag.runtime.batch import call_model, micro_batches, shard
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
 from gpudiag.runtime.launch import Ranks, UnpicklableJob, start, start_method
@@ -292,14 +292,7 @@ def _train(
         for step in range(1, config.steps + 1):
             state.step = step
             start = recorder.now()
-            micro = [
-                (to_device(x, device), y)
-                for x, y in zip(
-                    split(shard_inputs, config.accumulate),
-                    shard_targets.chunk(config.accumulate),
-                    strict=True,
-                )
-            ]
+            micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
             loss = stepper.step(
                 step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder)
             )

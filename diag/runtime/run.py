@@ -33,7 +33,7 @@ from torch import nn
 
 from gpudiag.errors import InputError
 from gpudiag.findings import Finding
-from gpudiag.runtime.batch import OutputKey, call_model, select_output, split, to_device
+from gpudiag.runtime.batch import OutputKey, call_model, micro_batches, select_output
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.faults import FaultPlan
@@ -320,13 +320,7 @@ def _run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Ru
         for step in range(1, config.steps + 1):
             transport.step = step
             start = recorder.now()
-            micro = [
-                (to_device(x, first), y)
-                for x, y in zip(
-                    split(inputs, config.accumulate), targets.chunk(config.accumulate), strict=True
-                )
-            ]
-            loss = stepper.step(step, micro)
+            loss = stepper.step(step, micro_batches(inputs, targets, config.accumulate, first))
             losses.append(loss)
             if recorder.enabled:
                 recorder.steps.append(StepRecord(step, loss, start, recorder.now()))
