@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from gpudiag.errors import CannotRunHere, InputError
+from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code
 from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
-from gpudiag.runtime.faults import for_devices, parse_fault
+from gpudiag.runtime.faults import check_fires, for_devices, parse_fault
 from gpudiag.runtime.run import ModelFn
 from gpudiag.topology.analysis import best_groups, cuda_visible_devices
 from gpudiag.topology.model import Topology, path_of
@@ -221,6 +221,7 @@ def nancheck(
         gpus = list(range(count))
         make = lambda ids: DeviceSet.cuda(list(ids))  # noqa: E731
     chosen = parse_pairs(pairs, gpus)
+    check_fires(inject, chosen, steps)
     singles_wanted = sorted({g for pair in chosen for g in pair}) if pairs.strip() != "all" else gpus
     base = RunConfig(
         "single",
@@ -234,7 +235,7 @@ def nancheck(
         watch=watch,
     )
     singles = [
-        _outcome((g,), run(model_factory, inputs, targets, replace(base, devices=make([g]))), "single")
+        _outcome((g,), _run(model_factory, inputs, targets, replace(base, devices=make([g]))), "single")
         for g in singles_wanted
     ]
     outcomes = []
@@ -243,7 +244,7 @@ def nancheck(
             base, strategy=strategy, devices=make(pair), faults=for_devices(inject, pair, strategy == "ddp")
         )
         try:
-            outcomes.append(_outcome(pair, run(model_factory, inputs, targets, config), strategy))
+            outcomes.append(_outcome(pair, _run(model_factory, inputs, targets, config), strategy))
         except RankFailure as failure:
             status = "hung" if failure.code == "rank-hung" else "crashed"
             outcomes.append(Outcome(pair, status, None, [], None, str(failure)))
@@ -268,6 +269,18 @@ def nancheck(
             "devices": "virtual" if machine is not None else "cuda",
         },
     )
+
+
+def _run(model_factory: Any, inputs: Any, targets: Any, config: RunConfig) -> RunResult:
+    """One training run; the user's model failing in this process is an error naming the
+    run (exit 2; 3 for memory or disk space), a failing rank a :class:`RankFailure`."""
+    try:
+        return run(model_factory, inputs, targets, config)
+    except (RankFailure, GpudiagError):
+        raise
+    except (Exception, SystemExit) as exc:
+        devices = ",".join(map(str, config.devices.ids))
+        raise from_user_code(exc, f"the model under {config.strategy} on device {devices}") from exc
 
 
 def _confirm_and_fix(machine: Topology | None) -> tuple[str, str]:

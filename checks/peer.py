@@ -34,7 +34,7 @@ from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.hw.host import HostFacts, Runner, collect
 from gpudiag.runtime import DeviceSet, RankFailure
-from gpudiag.runtime.faults import FaultPlan, corrupt, for_devices
+from gpudiag.runtime.faults import FaultPlan, check_fires, corrupt, for_devices
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.transport import Transport
 from gpudiag.topology.model import Topology
@@ -214,7 +214,6 @@ def peer(
 
     for spec in inject:
         FaultPlan.parse([spec])
-    host = collect(runner)
     skipped: list[str] = []
     results: list[PairResult] = []
     if machine is not None:
@@ -229,11 +228,14 @@ def peer(
         skipped.append(
             "GPU tests: fewer than 2 CUDA GPUs here; host probes only (simulate with --machine FILE)"
         )
+    chosen = parse_pairs(pairs, gpus) if devices is not None else []
+    check_fires(inject, chosen, None)
+    host = collect(runner)
     if devices is not None:
         sizes = sizes or (VIRTUAL_SIZES if devices.kind == "virtual" else GPU_SIZES)
         transport = Transport(devices, faults=FaultPlan.parse(list(inject)))
         grants = {(p.a, p.b): p.p2p for p in machine.pairs()} if machine is not None else {}
-        for a, b in parse_pairs(pairs, gpus):
+        for a, b in chosen:
             first_direction = len(results)
             for src, dst in ((a, b), (b, a)):
                 grant = {"nvml": grants.get((a, b))}

@@ -1,20 +1,34 @@
 """Safe writes of user-visible files.
 
 Every file gpudiag writes goes to a temporary file in the target folder, is fsynced and
-then renamed over the target, so a failure never leaves a partial file; an existing
-target is replaced only with ``force``.
+then renamed over the target, so a failure never leaves a partial file. gpudiag writes
+only regular files and folders: a target that is a symbolic link, a device node, a FIFO
+or a socket is refused, with or without ``force``; an existing regular target is
+replaced only with ``force`` (and a folder only when the caller recognises it as its
+own, e.g. an earlier bundle), never the current folder or one of its parents.
+
+Temporary names carry the writer's pid (``.NAME.gpudiag-PID-XXXX.tmp``): the temporary
+is removed on every exit path of the process that made it (an exception, Ctrl-C,
+SIGTERM through the CLI's handler), and one left by a run that was killed outright
+(SIGKILL, power loss) is removed by the next run that writes the same target.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
+import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from gpudiag.errors import InputError
+
+_TAG = "gpudiag"
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool = False) -> Path:
@@ -25,18 +39,107 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool
     return Path(path)
 
 
-def check_target(path: str | os.PathLike[str], *, force: bool, folder: bool = False) -> Path:
-    """``path`` if gpudiag may write it: a file (or with ``folder`` a folder) that does not
-    exist yet, or exists and ``force`` allows replacing, in a folder that exists."""
+def check_target(
+    path: str | os.PathLike[str],
+    *,
+    force: bool,
+    folder: bool = False,
+    replaceable: Callable[[Path], str | None] | None = None,
+) -> Path:
+    """``path`` if gpudiag may write it: a regular file (or with ``folder`` a folder) that
+    does not exist yet, or exists and ``force`` allows replacing, in a folder that exists.
+
+    ``replaceable(target)`` is asked about an existing target before ``force`` replaces
+    it: None to allow, or the reason it is not gpudiag's to replace.
+    """
     target = Path(path)
+    if target.name in ("", ".", ".."):
+        raise InputError(f"{path!s}: name a new file or folder, not {path!s} itself")
+    if target.is_symlink():
+        raise InputError(f"{target} is a symbolic link: gpudiag writes only regular files; choose another")
     if target.exists():
-        if target.is_dir() != folder:
-            raise InputError(f"{target} is a folder" if target.is_dir() else f"{target} exists and is a file")
+        kind = _kind(target)
+        if kind not in ("file", "folder"):
+            raise InputError(f"{target} is a {kind}, not a regular file: gpudiag will not write over it")
+        if (kind == "folder") != folder:
+            raise InputError(f"{target} is a folder" if not folder else f"{target} exists and is a file")
         if not force:
             raise InputError(f"{target} exists; pass --force to overwrite it")
+        here = Path.cwd().resolve()
+        if kind == "folder" and target.resolve() in (here, *here.parents):
+            raise InputError(f"{target} is the current folder or a parent of it: gpudiag will not replace it")
+        reason = replaceable(target) if replaceable is not None else None
+        if reason:
+            raise InputError(f"{target}: {reason}; --force replaces only what gpudiag wrote")
     if not target.parent.is_dir():  # Path("x").parent is Path(".")
         raise InputError(f"folder {target.parent} does not exist")
     return target
+
+
+def _kind(path: Path) -> str:
+    """What ``path`` is, in words (``ls -l``'s first column)."""
+    mode = path.stat().st_mode
+    for test, name in (
+        (stat.S_ISREG, "file"),
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISCHR, "device node"),
+        (stat.S_ISBLK, "device node"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def temporary_prefix(target: Path) -> str:
+    """The name every temporary for ``target`` starts with, this process's pid in it."""
+    return f".{target.name}.{_TAG}-{os.getpid()}-"
+
+
+def remove_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporaries (``.tmp`` files and folders, ``.old`` folders) that a
+    gpudiag process no longer running left beside ``target``; what was removed.
+
+    Only entries this user owns, named by :func:`temporary_prefix` with a pid that is
+    gone, are touched: a run writing the same target right now keeps its own.
+    """
+    name = re.compile(rf"\.{re.escape(target.name)}\.{_TAG}-(\d+)-[^/]*\.(tmp|old)")
+    removed = []
+    for entry in target.parent.glob(f".{glob.escape(target.name)}.{_TAG}-*"):
+        match = name.fullmatch(entry.name)
+        if not match or _running(int(match[1])) or entry.is_symlink():
+            continue
+        with contextlib.suppress(OSError):
+            if entry.lstat().st_uid != os.getuid():
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def temporary_folder(target: Path, suffix: str = ".tmp") -> Path:
+    """A new private folder beside ``target`` (for staging it), named for cleanup."""
+    remove_stale_temporaries(target)
+    try:
+        return Path(tempfile.mkdtemp(prefix=temporary_prefix(target), suffix=suffix, dir=target.parent))
+    except OSError as exc:
+        raise InputError(f"cannot write in {target.parent}: {exc.strerror}") from exc
 
 
 @contextlib.contextmanager
@@ -45,8 +148,9 @@ def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Itera
     is fsynced and renamed over ``path`` when the block ends, and removed if it fails."""
     target = check_target(path, force=force)
     folder = target.parent
+    remove_stale_temporaries(target)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=folder)
     except OSError as exc:
         raise InputError(f"cannot write in {folder}: {exc.strerror}") from exc
     os.close(fd)
@@ -58,6 +162,7 @@ def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Itera
             yield out
             out.flush()
             os.fsync(out.fileno())
+        check_target(target, force=force)  # (still not a FIFO or a link: it may have changed)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpudiag.errors import CannotRunHere, InputError
+from gpudiag.errors import CannotRunHere, InputError, from_user_code
 
 #: Built-in models: name → what it is (all take the input shape and the class count).
 BUILTINS = {
@@ -114,9 +114,9 @@ def _load_file(path: str) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         del sys.modules[name]
-        raise InputError(f"{path} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise from_user_code(exc, f"importing {path}") from exc
     # No other process can import it by that name: its functions and classes (a model
     # built from it, sent to DDP ranks) are pickled by value.
     import cloudpickle
@@ -218,10 +218,8 @@ def random_batch(
     try:
         with torch.no_grad():
             out = probe(inputs[: min(2, batch_size)])
-    except Exception as exc:
-        raise InputError(
-            f"the model does not accept inputs of shape {tuple(inputs.shape[1:])}: {exc}"
-        ) from exc
+    except (Exception, SystemExit) as exc:
+        raise from_user_code(exc, f"the model, on inputs of shape {tuple(inputs.shape[1:])},") from exc
     from gpudiag.runtime.batch import select_output
 
     out = select_output(out, output)  # the part the loss takes (tuple, dict, .logits)

@@ -35,10 +35,12 @@ from gpudiag.checks.gradcheck.schedule import (
     outcomes,
 )
 from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
-from gpudiag.errors import InputError
+from gpudiag.errors import InputError, from_user_code
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
 from gpudiag.runtime.batch import OutputKey, batch_size, split
+from gpudiag.runtime.deadline import contained
+from gpudiag.runtime.faults import check_fires
 from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.run import DTYPES, ModelFn
@@ -117,6 +119,8 @@ def gradcheck(
     world, tol, batch = len(devices), tolerance(dtype), batch_size(inputs)
     if not isinstance(targets, torch.Tensor) or targets.dim() == 0 or len(targets) != batch:
         raise InputError(f"targets must be a tensor of {batch} rows, one per sample of the inputs")
+    moving = [r for s, r in (("dp", devices.ids), ("ddp", tuple(range(world)))) if s in strategies]
+    check_fires(inject, moving, steps)
     prebuilt = Prebuilt(model_factory)
     numerics = Numerics.comparison()
     base = RunConfig(
@@ -139,13 +143,13 @@ def gradcheck(
     with numerics.applied():  # here (the template is built under them too); every rank sets them itself
         torch.manual_seed(seed)
         try:
-            template = prebuilt()
-        except InputError:
-            raise
-        except Exception as exc:  # the user's factory failed
-            raise InputError(f"the model factory raised {type(exc).__name__}: {exc}") from exc
+            with contained(timeout, "building the model"):
+                template = prebuilt()
+        except (Exception, SystemExit) as exc:  # the user's factory failed
+            raise from_user_code(exc, "the model factory") from exc
         order = tuple(n for n, p in template.named_parameters() if p.requires_grad)
-        sites = _probe(template, inputs, seed)
+        with contained(timeout, "the train-mode probe (one forward of the model)"):
+            sites = _probe(template, inputs, seed)
         check = _Check(
             Schedule(inputs, targets, base),
             Comparer(world, tol, order),
@@ -203,10 +207,8 @@ def gradcheck(
 def _probe(template: torch.nn.Module, inputs: Any, seed: int) -> TrainModeSites:
     try:
         return probe(template, inputs, seed=seed)
-    except InputError:
-        raise
-    except Exception as exc:  # the user's model failed on the user's batch
-        raise InputError(f"the model's forward failed on the batch: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the user's model failed on the user's batch
+        raise from_user_code(exc, "the model's forward on the batch") from exc
 
 
 def _first_runs(check: _Check, first: str) -> Outcome:

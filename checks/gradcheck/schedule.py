@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gpudiag.errors import InputError
+from gpudiag.errors import from_user_code
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.ddp import forks, start_ddp
 from gpudiag.runtime.run import ModelFn
@@ -119,15 +119,11 @@ class Schedule:
             )
         except RankFailure as failure:
             return failure
-        except InputError:
-            raise
-        except Exception as exc:  # the user's model, in this process (single or dp)
-            raise InputError(
-                f"the model failed under {job.strategy} ({type(exc).__name__}: {exc}); DataParallel runs "
-                "it on sub-batches of the batch"
-                if job.strategy == "dp"
-                else f"the model failed under {job.strategy}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except (Exception, SystemExit) as exc:  # the user's model, in this process (single or dp)
+            where = f"the model under {job.strategy}"
+            if job.strategy == "dp":
+                where += " (DataParallel runs it on sub-batches of the batch)"
+            raise from_user_code(exc, where) from exc
 
 
 def outcomes(results: dict[str, RunResult | RankFailure], modes: list[str]) -> dict[str, Outcome]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,27 @@ def parse_fault(spec: str) -> Fault:
     src = None if match.group("src") == "*" else int(match.group("src"))
     dst = None if match.group("dst") == "*" else int(match.group("dst"))
     return Fault(src, dst, kind, step, count, factor)
+
+
+def check_fires(specs: Sequence[str], runs: Sequence[Sequence[int]], steps: int | None) -> None:
+    """Refuse, before anything runs, a spec that cannot fire: a SRC or DST that no run in
+    ``runs`` (the device or rank numbers of each run that moves tensors) has together with
+    the other, or a STEP after the last of ``steps`` (None: no steps, e.g. peer copies).
+    A rehearsal that injects nothing must not pass as one that found nothing."""
+    for spec in specs:
+        fault = parse_fault(spec)
+        if steps is not None and fault.step > steps:
+            raise InjectSpecError(
+                f"--inject {spec!r} can never fire: step {fault.step} comes after the run's last step "
+                f"({steps}); nothing was run"
+            )
+        named = [d for d in (fault.src, fault.dst) if d is not None]
+        if not any(all(d in run for d in named) for run in runs):
+            where = ", ".join("-".join(map(str, r)) for r in runs) if runs else "no run moves tensors"
+            raise InjectSpecError(
+                f"--inject {spec!r} can never fire: no run here has {' and '.join(map(str, named))} "
+                f"(runs: {where}); nothing was run"
+            )
 
 
 @dataclass

@@ -70,6 +70,9 @@ JOB_FILE = "job.pt"
 #: Where ranks write their logs while :func:`rank_logs` is active (None: inherit the parent's).
 _log_folder: Path | None = None
 _launches = itertools.count(1)  # numbers the launches inside one rank_logs() block
+#: The real ``os._exit``, kept before anything can replace it (``deadline.contained`` does,
+#: while the user's model runs in the launcher): a rank leaves through this one.
+_exit_now = os._exit
 
 
 @contextlib.contextmanager
@@ -408,6 +411,10 @@ def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] 
     job file."""
     code = 0
     rank, world_size, backend, folder = spec.rank, spec.world_size, spec.backend, spec.folder
+    # Ctrl-C reaches the whole process group: the launcher stops its ranks itself. A forked
+    # rank must not keep the CLI's handler either: SIGTERM ends it at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         _leave_with_parent(spec.parent, folder)
         if spec.logs is not None:
@@ -449,7 +456,7 @@ def _rank_main(spec: _RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] 
             sys.stderr.flush()
     finally:
         # Leave without running the parent's atexit handlers and finalizers (forked child).
-        os._exit(code)
+        _exit_now(code)
 
 
 def _leave_with_parent(parent: int, folder: str) -> None:
@@ -461,7 +468,7 @@ def _leave_with_parent(parent: int, folder: str) -> None:
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
         shutil.rmtree(folder, ignore_errors=True)
-        os._exit(1)
+        _exit_now(1)
 
     threading.Thread(target=watch, name="gpudiag-parent-watch", daemon=True).start()
 

@@ -4,9 +4,14 @@ RANK WORLD BACKEND FOLDER TIMEOUT LOGS PARENT`` (see :mod:`gpudiag.runtime.launc
 A module of its own, so the rank imports :mod:`gpudiag.runtime.launch` under its real
 name (running ``launch`` itself as ``__main__`` would make a second copy of it)."""
 
+import signal
 import sys
 
-from gpudiag.runtime.launch import _rank_main, _RankSpec
+# Ctrl-C in a terminal reaches every process of the group: the launcher stops the ranks
+# itself (SIGTERM, then SIGKILL), so a rank ignores it rather than print a traceback.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+from gpudiag.runtime.launch import _rank_main, _RankSpec  # noqa: E402
 
 if __name__ == "__main__":
     _rank_main(_RankSpec.from_argv(sys.argv[1:]))

@@ -34,6 +34,7 @@ from torch import nn
 from gpudiag.errors import InputError
 from gpudiag.findings import Finding
 from gpudiag.runtime.batch import OutputKey, call_model, micro_batches, select_output
+from gpudiag.runtime.deadline import contained
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.faults import FaultPlan
@@ -119,7 +120,8 @@ def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig
         from gpudiag.runtime.ddp import run_ddp
 
         return run_ddp(model_fn, inputs, targets, config)
-    with numerics_of(config):
+    devices = ",".join(map(str, config.devices.ids))
+    with numerics_of(config), contained(config.timeout, f"the {config.strategy} run on device {devices}"):
         return _run_local(model_fn, inputs, targets, config)
 
 
