@@ -120,6 +120,48 @@ def test_bad_pairs_are_exit_2(pairs: str) -> None:
     assert result.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("command", "inject", "words"),
+    [
+        (["nancheck", "--machine", SEED, "--steps", "20"], "42->43:nan", "no run here has 42 and 43"),
+        (
+            ["nancheck", "--machine", SEED, "--steps", "20"],
+            "5->6:nan@50",
+            "step 50 comes after the run's last step (20)",
+        ),
+        (
+            ["nancheck", "--machine", SEED, "--pairs", "5-6"],
+            "0->1:nan",
+            "no run here has 0 and 1 (runs: 5-6)",
+        ),
+        (["peer", "--machine", SEED, "--pairs", "0-1"], "*->7:zero", "no run here has 7"),
+        (
+            ["gradcheck", "--model", "mlp", "--input-shape", "4", "--world-size", "2"],
+            "0->2:nan",
+            "has 0 and 2",
+        ),
+        (
+            ["gradcheck", "--model", "mlp", "--input-shape", "4", "--strategies", "single"],
+            "0->1:nan",
+            "no run moves",
+        ),
+        (
+            ["gradcheck", "--model", "mlp", "--input-shape", "4", "--steps", "2"],
+            "0->1:nan@3",
+            "last step (2)",
+        ),
+    ],
+)
+def test_an_injection_that_cannot_fire_is_refused_before_anything_runs(
+    command: list[str], inject: str, words: str
+) -> None:
+    result = CliRunner().invoke(cli, [*command, "--inject", inject])
+    assert result.exit_code == 2 and "can never fire" in result.output and words in result.output, (
+        result.output
+    )
+    assert "nothing was run" in result.output
+
+
 def test_parse_pairs() -> None:
     assert parse_pairs("all", [0, 1, 2]) == [(0, 1), (0, 2), (1, 2)]
     assert parse_pairs("6-5,0-1,5-6", list(range(8))) == [(5, 6), (0, 1)]

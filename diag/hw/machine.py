@@ -94,16 +94,26 @@ def from_json(data: Any, name: str = "machine file") -> Topology:
         raise fail('"labels" must be a list of distinct device names')
     matrix = _table(data.get("matrix"), labels, _LINK.fullmatch, "matrix", fail)
     p2p = {}
-    for cap, table in (data.get("p2p") or {}).items():
+    p2p_tables = data.get("p2p") or {}
+    if not isinstance(p2p_tables, dict):
+        raise fail('"p2p" must map capabilities (read, write, …) to tables')
+    for cap, table in p2p_tables.items():
         if cap not in P2P_CAPS:
             raise fail(f'unknown P2P capability "{cap}" (expected one of {", ".join(P2P_CAPS)})')
         p2p[cap] = _table(table, labels, lambda c: c in P2P_STATUS, f"p2p.{cap}", fail)
     gpus = {}
-    for entry in data.get("gpus") or []:
+    entries = data.get("gpus") or []
+    if not isinstance(entries, list):
+        raise fail('"gpus" must be a list of GPU entries')
+    for entry in entries:
         label = entry.get("label") if isinstance(entry, dict) else None
         if label not in labels or gpu_index(label) is None:
-            raise fail(f"gpu entry {entry!r} does not name a GPU label of the matrix")
+            raise fail(f"gpu entry {_short(entry)} does not name a GPU label of the matrix")
         fields = {f: entry.get(f) for f in _GPU_FIELDS}
+        for f, value in fields.items():
+            wanted = int if f == "memory_total_mib" else str
+            if value is not None and (type(value) is not wanted):
+                raise fail(f"gpu {label}: {f!r} must be {'an integer' if wanted is int else 'a string'} or null")
         gpus[label] = GpuInfo(label=label, index=gpu_index(label), **fields)
     for label in labels:
         index = gpu_index(label)
@@ -113,11 +123,13 @@ def from_json(data: Any, name: str = "machine file") -> Topology:
         raise fail("no GPU among the labels (GPU0, GPU1, …)")
     try:
         notes = [Finding.from_json(n) for n in data.get("notes") or []]
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise fail(f'bad "notes" entry ({exc})') from exc
     nic_legend = data.get("nic_legend") or {}
-    if not isinstance(nic_legend, dict):
+    if not isinstance(nic_legend, dict) or not all(isinstance(v, str) for v in nic_legend.values()):
         raise fail('"nic_legend" must map NIC labels to device names')
+    if data.get("legend") is not None and not isinstance(data.get("legend"), str):
+        raise fail('"legend" must be a string or null')
     return Topology(
         source="machine-file",
         labels=list(labels),
@@ -128,6 +140,11 @@ def from_json(data: Any, name: str = "machine file") -> Topology:
         notes=notes,
         legend=data.get("legend"),
     )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _table(rows: Any, labels: list[str], valid: Any, what: str, fail: Any) -> Matrix:

@@ -304,7 +304,9 @@ class _FreshRank:
         paths = [os.path.abspath(p or os.curdir) for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, *filter(None, [env.get("PYTHONPATH")])]))
         argv = [sys.executable, "-m", "gpudiag.runtime.rank_process", *spec.argv()]
-        return cls(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+        # A session of its own: a terminal's Ctrl-C goes to the launcher alone, which stops
+        # its ranks itself — none prints a traceback from the middle of ``import torch``.
+        return cls(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
 
     @property
     def pid(self) -> int:

@@ -120,7 +120,8 @@ def run(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: RunConfig
         from gpudiag.runtime.ddp import run_ddp
 
         return run_ddp(model_fn, inputs, targets, config)
-    devices = ",".join(map(str, config.devices.ids))
+    used = config.devices.ids[:1] if config.strategy == "single" else config.devices.ids
+    devices = ",".join(map(str, used))
     with numerics_of(config), contained(config.timeout, f"the {config.strategy} run on device {devices}"):
         return _run_local(model_fn, inputs, targets, config)
 
