@@ -121,7 +121,7 @@ def parse_pairs(text: str, gpus: list[int]) -> list[tuple[int, int]]:
     pairs = []
     for part in text.split(","):
         a, sep, b = part.strip().partition("-")
-        if not sep or not a.isdigit() or not b.isdigit() or a == b:
+        if not sep or not (a + b).isascii() or not a.isdigit() or not b.isdigit() or a == b:
             raise InputError(f"bad --pairs {text!r}: expected all or A-B,C-D (e.g. 0-1,5-6)")
         pair = tuple(sorted((int(a), int(b))))
         unknown = [g for g in pair if g not in gpus]

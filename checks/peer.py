@@ -54,7 +54,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         part = part.strip().upper().removesuffix("B").removesuffix("I")
         unit = _UNITS.get(part[-1:], 1)
         number = part[:-1] if part[-1:] in _UNITS else part
-        if not number.isdigit() or int(number) * unit < 8:
+        if not number.isascii() or not number.isdigit() or int(number) * unit < 8:
             raise InputError(f"bad --sizes {text!r}: expected sizes like 4K,1M,256M")
         sizes.append(int(number) * unit)
     return tuple(sizes)

@@ -14,6 +14,7 @@ from gpudiag.cli import cli
 from tests.conftest import GOLDEN, NVML, TOPO
 
 SEED = str(TOPO / "seed_8gpu_nv4_pairs_node_sys.txt")
+EXAMPLE_MACHINE = Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
 
 
 def run(*args: str, env: dict[str, str] | None = None, stdin: str | None = None):  # type: ignore[no-untyped-def]
@@ -189,3 +190,27 @@ def test_names_with_brackets_are_printed_literally(tmp_path: Path) -> None:
     result = run("topology", "--machine", str(machine))
     assert result.exit_code == 0
     assert "Odd [/] GPU [bold]" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["nancheck", "--machine", str(EXAMPLE_MACHINE), "--pairs", "\uff10-1"],
+        ["peer", "--machine", str(EXAMPLE_MACHINE), "--sizes", "\uff14K"],
+        ["gradcheck", "--model", "mlp", "--input-shape", "\uff13,8"],
+        ["nancheck", "--machine", str(EXAMPLE_MACHINE), "--inject", "\uff15->6:nan"],
+    ],
+)
+def test_non_ascii_digits_are_not_numbers(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+
+
+def test_a_non_ascii_numa_node_never_reaches_a_command_line(tmp_path: Path) -> None:
+    doc = json.loads(EXAMPLE_MACHINE.read_text())
+    for gpu in doc["gpus"]:
+        gpu["numa_affinity"] = "\uff10"  # a fullwidth 0
+    machine = tmp_path / "m.json"
+    machine.write_text(json.dumps(doc))
+    result = run("topology", "--machine", str(machine))
+    assert result.exit_code == 0 and "numactl" not in result.output and "taskset" in result.output

@@ -114,7 +114,7 @@ def _parse_visible(value: str, order: list[GpuInfo]) -> tuple[list[GpuInfo], str
     for raw in value.split(","):
         entry = raw.strip()
         gpu = None
-        if re.fullmatch(r"\d+", entry):
+        if re.fullmatch(r"[0-9]+", entry):
             if int(entry) < len(order):
                 gpu = order[int(entry)]
         elif entry.upper().startswith("GPU-"):

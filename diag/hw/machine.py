@@ -32,7 +32,7 @@ from gpudiag.findings import Finding
 from gpudiag.topology.model import P2P_CAPS, P2P_STATUS, GpuInfo, Matrix, Topology, gpu_index
 
 SCHEMA = "gpudiag.machine/1"
-_LINK = re.compile(r"NV[1-9]\d?|SYS|SOC|NODE|PHB|PXB|PIX|PSB|CPU")
+_LINK = re.compile(r"NV[1-9][0-9]?|SYS|SOC|NODE|PHB|PXB|PIX|PSB|CPU")
 _GPU_FIELDS = (
     "name",
     "pci_bus_id",
@@ -111,9 +111,9 @@ def from_json(data: Any, name: str = "machine file") -> Topology:
             raise fail(f"gpu entry {_short(entry)} does not name a GPU label of the matrix")
         fields = {f: entry.get(f) for f in _GPU_FIELDS}
         for f, value in fields.items():
-            wanted = int if f == "memory_total_mib" else str
-            if value is not None and (type(value) is not wanted):
-                raise fail(f"gpu {label}: {f!r} must be {'an integer' if wanted is int else 'a string'} or null")
+            wanted, words = (int, "an integer") if f == "memory_total_mib" else (str, "a string")
+            if value is not None and type(value) is not wanted:
+                raise fail(f"gpu {label}: {f!r} must be {words} or null")
         gpus[label] = GpuInfo(label=label, index=gpu_index(label), **fields)
     for label in labels:
         index = gpu_index(label)

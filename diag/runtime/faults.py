@@ -29,8 +29,8 @@ GRAMMAR = (
 KINDS = ("nan", "inf", "zero", "bitflip", "scale")
 
 _SPEC = re.compile(
-    r"^\s*(?P<src>\*|\d+)\s*->\s*(?P<dst>\*|\d+)\s*:\s*(?P<kind>nan|inf|zero|bitflip|scale=(?P<factor>[^@x\s]+))"
-    r"\s*(?:@\s*(?P<step>\d+))?\s*(?:x\s*(?P<count>\d+))?\s*$"
+    r"^\s*(?P<src>\*|[0-9]+)\s*->\s*(?P<dst>\*|[0-9]+)\s*:\s*(?P<kind>nan|inf|zero|bitflip|scale=(?P<factor>[^@x\s]+))"
+    r"\s*(?:@\s*(?P<step>[0-9]+))?\s*(?:x\s*(?P<count>[0-9]+))?\s*$"
 )
 #: The top exponent bit per element size in bytes: flipping it turns 1.0 into inf/huge.
 _EXPONENT_BIT = {2: 14, 4: 30, 8: 62}

@@ -319,7 +319,7 @@ def _numa_affinity(topo: Topology) -> list[Finding]:
     numa_nodes = [str(numa) for numa, _ in places if numa is not None]
     example = (
         f"`numactl --cpunodebind={numa_nodes[0]} --membind={numa_nodes[0]} …`"
-        if numa_nodes and re.fullmatch(r"\d+", numa_nodes[0])
+        if numa_nodes and re.fullmatch(r"[0-9]+", numa_nodes[0])
         else "`taskset -c <CPUs> …`"
     )
     return [

@@ -32,7 +32,7 @@ from gpudiag.topology.model import GpuInfo, Matrix, Topology, gpu_index
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 #: Device names: GPUs, NICs by number, or RDMA device names such as mlx5_0, mlx5_bond_0.
-_LABEL = re.compile(r"GPU\d+|NIC\d+|[a-z][a-z0-9]*(?:_[a-z]+)*_?\d+")
+_LABEL = re.compile(r"GPU\d+|NIC\d+|[a-z][a-z0-9]*(?:_[a-z]+)*_?\d+", re.ASCII)
 #: Affinity column headings, full or shortened as seen in pastes.
 _AFFINITY_HEADING = re.compile(
     r"(?P<gpu_numa_id>GPU\s*NUMA(?:\s*ID)?)|(?P<cpu_affinity>CPU(?:\s*Aff\w*)?)"
@@ -40,12 +40,12 @@ _AFFINITY_HEADING = re.compile(
 )
 #: Self markers: Latin X, Greek Chi, Cyrillic Ha (all look alike on a page).
 _SELF = "XΧХ"
-_LINK_CELL = r"NV(?:[1-9]|[1-9]\d)(?!\d)|SYS|SOC|NODE|PHB|PXB|PIX|PSB|CPU"
+_LINK_CELL = r"NV(?:[1-9]|[1-9][0-9])(?![0-9])|SYS|SOC|NODE|PHB|PXB|PIX|PSB|CPU"
 _P2P_CELL = r"OK|CNS|GNS|TNS|NS|DR|U"
 _CELL = re.compile(rf"(?:{_LINK_CELL}|{_P2P_CELL}|[{_SELF}])(?![a-z])")
 _SEPARATORS = re.compile(r"[\s|]*")
 _RULE = re.compile(r"^[\s\-=+|:]+$")
-_NIC_LEGEND_LINE = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
+_NIC_LEGEND_LINE = re.compile(r"^\s*(NIC[0-9]+)\s*:\s*(\S+)\s*$")
 _LEGEND_KEY = re.compile(r"^\s*(X|SOC|SYS|NODE|PHB|PXB|PIX|PSB|NV#|OK|GNS)\s*=\s*(.*)$")
 _P2P_CODES = frozenset(_P2P_CELL.split("|"))
 _NA = {"N/A", "NA", "n/a", "-"}

@@ -46,8 +46,8 @@ AFFINITY_COLUMNS = (
     ("gpu_numa_id", "GPU NUMA ID"),
 )
 
-_NVLINK = re.compile(r"NV(\d+)")
-_GPU_LABEL = re.compile(r"GPU(\d+)")
+_NVLINK = re.compile(r"NV(\d+)", re.ASCII)
+_GPU_LABEL = re.compile(r"GPU(\d+)", re.ASCII)
 
 LinkKind = Literal["nvlink", "pcie"]
 
