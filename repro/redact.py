@@ -2,10 +2,13 @@
 
 A :class:`Redactor` replaces, in any text:
 
-- the values of environment variables whose *names* look secret (``TOKEN``, ``SECRET``,
-  ``PASSWORD``, ``API_KEY``, ``*_KEY``, ``CREDENTIAL``, ``AUTH``, ``COOKIE``, ``SESSION``,
-  ``PRIVATE``, ``AWS_*``, ``DATABASE_URL`` …) — as ``NAME=<redacted: set>`` where the name
-  shows, and the literal value wherever else it appears (a log that echoes it);
+- the values of environment variables whose *names* look secret (:func:`is_secret_name`:
+  ``HF_TOKEN``, ``DB_PWD``, ``MY_SERVICE_CREDS``, ``WANDB_API_KEY``, ``PASSWD``, ``AWS_*`` …,
+  but not ``max_tokens``, ``session_length``, ``auth_mode``, ``passthrough``) — as
+  ``NAME=<redacted: set>`` where the name shows, and the literal value wherever else it
+  appears (a rank log that echoes it);
+- ``NAME=value``, ``NAME: value``, ``--name=value`` and ``--name value`` for secret names,
+  and ``Bearer <token>`` anywhere;
 - credentials inside URLs: ``https://user:pass@host`` → ``https://<redacted>@host``;
 - token-shaped strings anywhere: Hugging Face ``hf_…``, GitHub ``ghp_…``/``github_pat_…``,
   OpenAI/Anthropic ``sk-…``, AWS access keys ``AKIA…``, Slack ``xox?-…``, JWTs ``eyJ….eyJ….…``;
@@ -14,11 +17,16 @@ A :class:`Redactor` replaces, in any text:
 With ``anonymize`` it also masks the host name, IPv4/IPv6 addresses, the user name (in
 ``/home/<user>`` paths and alone) and ``MASTER_ADDR``. The name list follows
 ``../shared/reference/failure-modes.md`` §4.5.
+
+A JSON file is redacted by walking its parsed data (:meth:`Redactor.bytes`), so no pattern
+can cross the end of a string: what was valid JSON stays valid JSON.
 """
 
 from __future__ import annotations
 
 import getpass
+import itertools
+import json
 import os
 import re
 import socket
@@ -28,11 +36,19 @@ from typing import Any
 MARK = "<redacted: set>"
 URL_MARK = "<redacted>"
 
-#: Variable names whose values are secrets (matched anywhere in the upper-cased name).
-_SECRET_NAME = re.compile(
-    r"TOKEN|SECRET|PASSWORD|PASSWD|PASS(?:$|_)|API_?KEY|_KEY$|^KEY$|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE"
-    r"|^AWS_|^AZURE_|^DATABASE_URL$|^GOOGLE_APPLICATION_CREDENTIALS$"
+#: Words that make a variable name secret wherever they stand (``HF_TOKEN``, ``DB_CREDS``).
+_SECRET_WORDS = frozenset(
+    {"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "PASSWD", "PASSPHRASE", "PASS", "CREDS"}
+    | {"CREDENTIAL", "CREDENTIALS", "COOKIE", "COOKIES", "PRIVATE", "APIKEY", "AUTHORIZATION", "DSN"}
 )
+#: Words that make a name secret as its last word only (``DB_PWD`` but not ``PWD``, the
+#: working directory; ``API_KEY`` but not ``KEY_PATH``; ``BASIC_AUTH`` but not ``auth_mode``).
+_SECRET_LAST_WORDS = frozenset({"PWD", "KEY", "AUTH", "SESSION"})
+#: Endings that make one word secret (``HFTOKEN``, ``DBPASSWORD``; not ``TOKENS``, ``TOKENIZER``).
+_SECRET_ENDINGS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY")
+_SECRET_PREFIXES = ("AWS_", "AZURE_")
+_SECRET_EXACT = frozenset({"DATABASE_URL", "KEY", "AUTH", "SESSION"})
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 #: Token shapes worth scrubbing anywhere, whatever variable or log line holds them.
 _TOKENS = re.compile(
     r"\bhf_[A-Za-z0-9]{20,}"
@@ -42,22 +58,39 @@ _TOKENS = re.compile(
     r"|\bxox[abposr]-[A-Za-z0-9-]{10,}"
     r"|\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"
 )
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@")
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@\"']*:[^/\s@\"']+@")
+#: ``Bearer <token>`` (an ``Authorization`` header in a log line), whatever precedes it.
+_BEARER = re.compile(r"\b(?P<scheme>[Bb]earer)\s+[A-Za-z0-9._~+/=-]{8,}")
 _GPU_UUID = re.compile(r"\b(GPU|MIG)-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b")
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 _IPV6 = re.compile(
     r"(?<![\w:])(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"
     r"|(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{0,4}::(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{1,4})(?![\w:])"
 )
-_HOME = re.compile(r"(/home/|/Users/)([^/\s]+)")
+_HOME = re.compile(r"(/home/|/Users/)([^/\s\"'<>`]+)")
 #: Literal values shorter than this are not scrubbed by value (``1``, ``true`` would
 #: take half the report with them); their variable still shows as set.
 MIN_SECRET_LENGTH = 4
 
 
 def is_secret_name(name: str) -> bool:
-    """Whether a variable called ``name`` holds a secret (``HF_TOKEN``, ``AWS_REGION``…)."""
-    return bool(_SECRET_NAME.search(name.upper()))
+    """Whether a variable, key or option called ``name`` holds a secret, judged by its words
+    (split at ``_``, ``-``, ``.`` and camelCase): ``HF_TOKEN``, ``DB_PWD``, ``apiKey``,
+    ``--api-key`` and ``SESSION_ID`` do; ``max_tokens``, ``session_length``, ``auth_mode``,
+    ``passthrough``, ``bypass`` and ``PWD`` do not."""
+    name = name.strip().lstrip("-")
+    upper = name.upper().replace("-", "_").replace(".", "_")
+    if upper in _SECRET_EXACT or upper.startswith(_SECRET_PREFIXES):
+        return True
+    words = [w.upper() for w in _WORD.findall(name)]
+    if not words:
+        return False
+    if any(w in _SECRET_WORDS or w.endswith(_SECRET_ENDINGS) for w in words):
+        return True
+    if len(words) > 1 and words[-1] in _SECRET_LAST_WORDS:
+        return True
+    # SESSION_ID, SESSION_KEY: a session named by what identifies it
+    return any(a == "SESSION" and b in ("ID", "KEY") for a, b in itertools.pairwise(words))
 
 
 def flagged_settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -118,6 +151,7 @@ class Redactor:
         if self._literal is not None:
             text = self._literal.sub(lambda m: self._marks[m.group(0)], text)
         text = _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{URL_MARK}@", text)
+        text = _BEARER.sub(lambda m: f"{m.group('scheme')} {MARK}", text)
         text = _TOKENS.sub(MARK, text)
         text = _GPU_UUID.sub(lambda m: f"{m.group(1)}-<uuid>", text)
         text = _assignments(text)
@@ -133,44 +167,93 @@ class Redactor:
 
     def data(self, value: Any) -> Any:
         """A JSON-like structure with every string (keys included) passed through :meth:`text`;
-        mapping entries whose key is a variable name that names a secret get the marker."""
+        a string under a key that names a secret (``"HF_TOKEN": "…"``) or after an option
+        that does (``["--api-key", "…"]``) gets the marker. Numbers, booleans and null stay."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, Mapping):
             return {
                 self.text(str(k)): MARK
-                if isinstance(k, str) and k.isidentifier() and is_secret_name(k) and v
+                if isinstance(v, str) and v and isinstance(k, str) and _is_secret_key(k)
                 else self.data(v)
                 for k, v in value.items()
             }
         if isinstance(value, (list, tuple)):
-            return [self.data(v) for v in value]
+            out = []
+            for i, v in enumerate(value):
+                before = value[i - 1] if i else None
+                secret = isinstance(before, str) and _is_secret_flag(before)
+                out.append(MARK if secret and isinstance(v, str) and v else self.data(v))
+            return out
         return value
 
     def bytes(self, data: bytes) -> bytes:
-        """Text files are scrubbed; binary files (traces are JSON, so text) pass unchanged
-        only if they hold no secret byte string."""
-        try:
-            return self.text(data.decode("utf-8")).encode("utf-8")
-        except UnicodeDecodeError:
-            for value, mark in self.replacements:
-                data = data.replace(value.encode(), mark.encode())
-            return data
+        """A file's bytes redacted. JSON (a document starting ``{`` or ``[``) is parsed, walked
+        with :meth:`data` and written back in its own layout, so its structure survives;
+        anything else is scrubbed as text (bytes that are not UTF-8 pass through as they are,
+        and secrets around them are still found)."""
+        document = _json_document(data)
+        if document is not None:
+            indent, end = _layout(data)
+            return (json.dumps(self.data(document[0]), indent=indent) + end).encode()
+        text = data.decode("utf-8", "surrogateescape")
+        return self.text(text).encode("utf-8", "surrogateescape")
 
 
-#: ``NAME=value`` / ``NAME: value`` / ``export NAME=value`` for secret-looking names in text.
+def _is_secret_key(key: str) -> bool:
+    return bool(_NAME.fullmatch(key)) and is_secret_name(key)
+
+
+def _is_secret_flag(word: str) -> bool:
+    """``--api-key``, ``-token``: an option whose value (the next word) is a secret."""
+    return word.startswith("-") and bool(_NAME.fullmatch(word.lstrip("-"))) and is_secret_name(word)
+
+
+def _json_document(data: bytes) -> tuple[Any] | None:
+    """``(document,)`` when ``data`` is a JSON object or array, else None."""
+    if data.lstrip()[:1] not in (b"{", b"["):
+        return None
+    try:
+        return (json.loads(data),)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _layout(data: bytes) -> tuple[int | None, str]:
+    """The indent and the trailing newline of a JSON file as it was written."""
+    match = re.match(rb"\s*[\[{]\r?\n( *)", data)
+    indent = len(match.group(1)) if match and match.group(1) else None
+    return indent, "\n" if data.endswith(b"\n") else ""
+
+
+#: A variable, key or option name: ``HF_TOKEN``, ``api-key``, ``auth.token``.
+_NAME = re.compile(r"[A-Za-z_][\w.-]*")
+#: ``NAME=value`` / ``NAME: value`` / ``export NAME=value`` / ``--name=value`` /
+#: ``Authorization: Basic xyz`` for secret-looking names in text. A value stops at a quote
+#: so it cannot run past the end of a quoted string.
 _ASSIGNMENT = re.compile(
-    r"(?P<name>\b[A-Za-z_][A-Za-z0-9_]*)(?P<sep>\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|\S+)"
+    r"(?<![\w.])(?P<name>[A-Za-z_][\w.-]*)(?P<sep>[ \t]*[=:][ \t]*)(?P<value><redacted[^>]*>"
+    r"|(?:[Bb]earer|[Bb]asic|[Tt]oken|Digest)[ \t]+(?:<redacted[^>]*>|[^\s\"']+)"
+    r"|\"[^\"]*\"|'[^']*'|[^\s\"']+)"
+)
+#: ``--name value`` on a command line, for secret-looking option names.
+_FLAG = re.compile(
+    r"(?<![\w-])(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value><redacted[^>]*>|[^\s\"'<-][^\s\"']*)"
 )
 
 
 def _assignments(text: str) -> str:
     def sub(match: re.Match[str]) -> str:
-        if not is_secret_name(match.group("name")) or match.group("value") == MARK:
+        if not is_secret_name(match.group("name")) or "<redacted" in match.group("value"):
             return match.group(0)
         return f"{match.group('name')}{match.group('sep')}{MARK}"
 
-    return _ASSIGNMENT.sub(sub, text)
+    def flag(match: re.Match[str]) -> str:
+        if not is_secret_name(match.group("flag")) or "<redacted" in match.group("value"):
+            return match.group(0)
+        return f"{match.group('flag')}{match.group('sep')}{MARK}"
+
+    return _FLAG.sub(flag, _ASSIGNMENT.sub(sub, text))
 
 
 def _hostname() -> str:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner
@@ -236,3 +238,114 @@ def test_one_unreadable_version_field_leaves_the_others(monkeypatch) -> None:
         report.missing["versions.cuda_available"]
         == "could not collect: RuntimeError: CUDA driver initialization failed"
     )
+
+
+def test_secret_names_are_judged_by_their_words() -> None:
+    """Issue 16: DB_PWD and MY_SERVICE_CREDS leaked; max_tokens=512 was redacted."""
+    for name in ("DB_PWD", "MY_SERVICE_CREDS", "X_SECRET", "Y_TOKEN", "Z_KEY", "PASSWD", "DB_PASS"):
+        assert is_secret_name(name), name
+    for name in ("apiKey", "accessToken", "--api-key", "HTTP_AUTHORIZATION", "BASIC_AUTH", "SENTRY_DSN"):
+        assert is_secret_name(name), name
+    for name in ("max_tokens", "session_length", "auth_mode", "passthrough", "bypass", "PWD", "OLDPWD"):
+        assert not is_secret_name(name), name
+    assert not is_secret_name("TOKENIZERS_PARALLELISM") and not is_secret_name("KEY_PATH")
+    r = Redactor({"DB_PWD": "pwd-value-1", "max_tokens": "512"})
+    ordinary = "max_tokens=512 session_length=30 auth_mode=none passthrough=1 bypass=0 PWD=/work"
+    assert r.text(ordinary) == ordinary
+    config = {"max_tokens": 512, "session_length": 30, "auth_mode": "none", "passthrough": 1, "bypass": 0}
+    assert r.data(config) == config
+
+
+#: Each a secret planted in a different form; the second item is what must not survive.
+PLANTED = {
+    "DB_PWD": "db-pwd-0123456789",
+    "MY_SERVICE_CREDS": "svc-creds-0123456789",
+    "X_SECRET": "x-secret-0123456789",
+    "Y_TOKEN": "y-token-0123456789",
+    "Z_KEY": "z-key-0123456789",
+    "PASSWD": "passwd-0123456789",
+}
+
+
+def test_every_form_of_secret_is_caught() -> None:
+    r = Redactor({**PLANTED, "NCCL_DEBUG": "INFO"})
+    echoed = " ".join(f"value {v}," for v in PLANTED.values())  # a rank log echoing the values
+    lines = [
+        f"[rank1] {echoed}",
+        "GET /v1 with Authorization: Bearer abcdef0123456789ghij",
+        "curl -H 'Authorization: Basic dXNlcjpwYXNzd29yZA=='",
+        "clone https://deploy:hunter2hunter2@git.example.com/x.git and postgres://:pgpass99@db/x",
+        "python train.py --api-key=cmdline-key-1 --token cmdline-token-2 --max-tokens 512",
+    ]
+    out = r.text("\n".join(lines))
+    for secret in [*PLANTED.values(), "abcdef0123456789ghij", "dXNlcjpwYXNzd29yZA", "hunter2hunter2"]:
+        assert secret not in out, secret
+    for secret in ("pgpass99", "cmdline-key-1", "cmdline-token-2"):
+        assert secret not in out, secret
+    assert "--max-tokens 512" in out and "https://<redacted>@git.example.com" in out
+    assert out.count("\n") == len(lines) - 1  # nothing joined or dropped
+    # The same in JSON: a command line as an argv list, secrets under secret-looking keys.
+    doc = {
+        "command": ["gpudiag", "--api-key", "argv-key-3", "--model", "mlp"],
+        "db": {"password": "p4ssw0rd!"},
+    }
+    back = json.loads(r.bytes(json.dumps(doc).encode()))
+    assert back == {"command": ["gpudiag", "--api-key", MARK, "--model", "mlp"], "db": {"password": MARK}}
+
+
+def test_binary_logs_are_scrubbed_around_undecodable_bytes() -> None:
+    r = Redactor(PLANTED)
+    data = b"\xff\xfe rank0 " + PLANTED["DB_PWD"].encode() + b" Bearer abcdef0123456789ghij \x80\n"
+    out = r.bytes(data)
+    assert PLANTED["DB_PWD"].encode() not in out and b"abcdef0123456789" not in out
+    assert out.startswith(b"\xff\xfe rank0 ") and out.endswith(b" \x80\n")
+
+
+_FRAGMENTS = st.sampled_from(
+    [
+        "/home/alice",
+        "/home/alice/x.py",
+        "/Users/bob",
+        '"',
+        "\\",
+        "\n",
+        " ",
+        ",",
+        "HF_TOKEN=",
+        "PASSWORD: ",
+        "--api-key=k3y-value",
+        "--token ",
+        "https://u:pw1234@h/x",
+        "10.0.0.1",
+        "fe80::1",
+        "gpu-box-3",
+        "alice",
+        "Bearer abcdefghijkl",
+        "max_tokens=512",
+        "<redacted: set>",
+        "x",
+    ]
+)
+_TEXT = st.lists(_FRAGMENTS, max_size=6).map(" ".join)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | _TEXT,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(_TEXT | st.sampled_from(["DB_PWD", "auth"]), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(document=_JSON, indent=st.sampled_from([None, 1, 2]))
+def test_redacted_json_is_still_json(document: object, indent: int | None) -> None:
+    """Issue 16: with --anonymize a home path ate the closing `",` of a JSON string."""
+    r = Redactor({"DB_PWD": "pw-0123456789"}, anonymize=True, hostname="gpu-box-3.lab", user="alice")
+    data = (json.dumps(document, indent=indent) + "\n").encode()
+    out = r.bytes(data)
+    back = json.loads(out)  # (a scalar document is not JSON to the redactor: it is text)
+    if isinstance(document, (dict, list)):
+        assert type(back) is type(document) and len(back) <= len(document)
+        for secret in ("pw1234", "alice", "10.0.0.1", "k3y-value", "abcdefghijkl"):
+            assert secret not in out.decode(), secret
