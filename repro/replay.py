@@ -5,8 +5,17 @@ laid out like the bundle's ``machine.json`` where the reporter used one). Result
 when the status and the finding codes are the same and the numbers agree within
 tolerance: gradcheck's per-strategy agreement (and, where both differ, the norm ratio
 within :data:`RATIO_SLACK`), nancheck's status and first bad step per run, peer's wrong
-copies per direction, topology's link per pair. A check that cannot run here is listed
-and left out of the verdict. The two environments' differences are listed too.
+copies per direction, topology's link per pair. A check that cannot run here is ``skipped``
+with the reason and left out of the verdict. The two environments' differences are listed too.
+
+A bundle is input from someone else. Before anything runs, every recorded configuration is
+checked field by field (:func:`check_configs`: wrong types, unknown fields, sizes beyond
+:data:`LIMITS` are an :class:`~gpudiag.errors.InputError` naming the field). Code the
+bundle names — a ``--model`` that is a Python file or module — runs only with
+``trust=True`` (``--trust-bundle``); without it that check is skipped and the reason says
+what would run. gpudiag's built-in models and torchvision architectures (without
+pretrained weights, which would be downloaded) are gpudiag's or torchvision's code, not
+the bundle's, and run.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpudiag.checks.suite import CheckRun, Here, run_check
+from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, run_check
+from gpudiag.errors import InputError
 from gpudiag.repro.report import Bundle
 
 SCHEMA = "gpudiag.replay/1"
@@ -59,6 +69,7 @@ class ReplayReport:
     bundle: str
     checks: list[CheckReplay]
     environment: list[str]
+    trusted: bool = False  # whether code named by the bundle was allowed to run
 
     @property
     def match(self) -> bool:
@@ -72,37 +83,358 @@ class ReplayReport:
             "schema": SCHEMA,
             "bundle": self.bundle,
             "match": self.match,
+            "trusted": self.trusted,
             "checks": [c.to_json() for c in self.checks],
             "environment_differences": self.environment,
         }
 
 
-def replay(bundle: Bundle, here: Here | None = None) -> ReplayReport:
-    """Re-run every check the bundle ran (not the ones it skipped) and compare."""
+def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> ReplayReport:
+    """Re-run every check the bundle ran (not the ones it skipped) and compare. Every
+    configuration is checked first; code named by the bundle runs only with ``trust``."""
+    recorded_checks = bundle.checks
+    check_configs(bundle)
     if here is None:
         here = Here.detect()
         here.machine = bundle.machine()
         here.machine_source = f"{bundle.path}/machine.json" if here.machine is not None else None
     replays = []
     env_here: CheckRun | None = None
-    for recorded in bundle.checks:
+    for recorded in recorded_checks:
         if recorded.status == "skipped" or recorded.config is None:
             replays.append(
                 CheckReplay(recorded.name, recorded, None, note="skipped on the reporter's machine")
             )
             continue
-        now = run_check(recorded.name, recorded.config, here)
+        untrusted = None if trust else bundle_code(recorded.config)
+        why = cannot_run_here(recorded, here)
+        if untrusted is not None:
+            now = CheckRun(recorded.name, "skipped", _untrusted_reason(untrusted), recorded.config)
+        elif why is not None:
+            now = CheckRun(recorded.name, "skipped", why, recorded.config)
+        else:
+            now = run_check(recorded.name, recorded.config, here)
         if recorded.name == "env":
             env_here = now
         item = CheckReplay(recorded.name, recorded, now)
-        if now.status == "skipped":
+        if untrusted is not None:
+            item.note = now.headline
+        elif now.status == "skipped":
             item.note = f"cannot run here: {now.headline}"
         elif recorded.name != "env":
             item.differences = compare(recorded, now)
             item.note = _meaning(recorded.status, now.status, item.differences)
         replays.append(item)
     environment = env_differences(bundle.document.get("env"), env_here.result if env_here else None)
-    return ReplayReport(bundle.path, replays, environment)
+    return ReplayReport(bundle.path, replays, environment, trusted=trust)
+
+
+def _untrusted_reason(what: str) -> str:
+    return f"not run: {what} — code the bundle names, not gpudiag's; rerun with --trust-bundle to run it"
+
+
+def bundle_code(config: dict[str, Any]) -> str | None:
+    """What code outside gpudiag and torchvision ``config`` would run (its ``--model``), in
+    words; None when it runs only gpudiag's built-in models or a torchvision architecture
+    without pretrained weights."""
+    from gpudiag.models import BUILTINS
+
+    spec = config.get("model")
+    if not isinstance(spec, str):
+        return None
+    text, _, query = spec.partition("?")
+    if text in BUILTINS:
+        return None
+    if text.startswith("torchvision:"):
+        weights = [
+            key
+            for key, _, value in (part.partition("=") for part in query.split("&"))
+            if ("weight" in key.lower() or "pretrained" in key.lower())
+            and value.strip().lower() not in ("", "none", "false", "0")
+        ]
+        if not weights:
+            return None
+        return f"--model {spec!r} downloads pretrained weights ({', '.join(weights)}) and loads them"
+    target, _, attr = text.rpartition(":")
+    if target.endswith(".py") or "/" in target:
+        return f"--model {spec!r} would run the Python file {target} and call {attr}()"
+    return f"--model {spec!r} would import the module {target} and call {target}.{attr}()"
+
+
+def cannot_run_here(recorded: CheckRun, here: Here) -> str | None:
+    """Why ``recorded`` cannot be run the same way here (None: it can): NVML that is not
+    here, or CUDA GPUs the reporter used that this machine lacks."""
+    config, result = recorded.config or {}, recorded.result or {}
+    if recorded.name == "topology" and config.get("machine") is None and here.nvml is not None:
+        return f"the reporter read the topology from NVML, which is not available here ({here.nvml})"
+    if recorded.name in ("peer", "nancheck") and config.get("machine") is None:
+        if recorded.name == "peer":
+            used = {p[k] for p in result.get("pairs", []) for k in ("src", "dst")}
+        else:
+            used = {s["device"] for s in result.get("singles", [])}
+            used |= {p[k] for p in result.get("pairs", []) for k in ("a", "b")}
+        if any(not 0 <= g < here.cuda_gpus for g in used):
+            gpus = ", ".join(map(str, sorted(used)))
+            return (
+                f"the reporter ran {recorded.name} on CUDA GPU(s) {gpus}; here {here.cuda_gpus} CUDA GPU(s)"
+            )
+    if recorded.name == "gradcheck":
+        run_config = result.get("config")
+        devices = run_config.get("devices") if isinstance(run_config, dict) else None
+        ids = devices.get("ids") if isinstance(devices, dict) else None
+        if (
+            isinstance(devices, dict)
+            and devices.get("kind") == "cuda"
+            and isinstance(ids, list)
+            and len(ids) > here.cuda_gpus
+        ):
+            return (
+                f"the reporter ran gradcheck on {len(ids)} CUDA GPU(s); here {here.cuda_gpus} "
+                "(CPU virtual devices would not be the same run)"
+            )
+    return None
+
+
+#: Bounds on what a bundle may ask replay to run (a bundle is someone else's input).
+LIMITS = {
+    "world_size": 64,
+    "steps": 10_000,
+    "batch_size": 65_536,
+    "num_classes": 100_000,
+    "input_elements": 1 << 24,  # per sample: the product of input_shape
+    "inject": 64,
+    "peer_size": 1 << 30,  # bytes per copy
+}
+
+
+def check_configs(bundle: Bundle) -> None:
+    """Every recorded configuration and result replay reads, checked before anything runs:
+    an unknown field, a wrong type or a value beyond :data:`LIMITS` is an
+    :class:`InputError` naming the field (``checks[3].config.world_size``)."""
+    for i, check in enumerate(bundle.document["checks"]):
+        name, config = check["name"], check.get("config")
+        fields = _FIELDS[name]
+        if isinstance(config, dict):
+            for key, value in config.items():
+                where = f"checks[{i}].config.{key}"
+                if key not in fields:
+                    known = ", ".join(fields) or "none"
+                    raise InputError(f"{bundle.path}: {where}: unknown field of {name} (fields: {known})")
+                problem = fields[key](value)
+                if problem:
+                    raise InputError(f"{bundle.path}: {where}: {problem}")
+                if key == "machine" and value is not None and MACHINE_FILE not in bundle.files:
+                    raise InputError(f"{bundle.path}: {where} names {MACHINE_FILE}, which the bundle lacks")
+        result = check.get("result")
+        if isinstance(result, dict) and name in _RESULT_LISTS:
+            problem = _result_problem(name, result)
+            if problem:
+                raise InputError(f"{bundle.path}: checks[{i}].result.{problem}")
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _integer(low: int, high: int) -> Any:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{_describe(value)} is not an integer (expected {low} to {high})"
+        if not low <= value <= high:
+            return f"{value} is out of range (expected {low} to {high})"
+        return None
+
+    return check
+
+
+def _one_of(*choices: str) -> Any:
+    def check(value: Any) -> str | None:
+        if value not in choices:
+            return f"{_describe(value)} is not one of {', '.join(choices)}"
+        return None
+
+    return check
+
+
+def _number(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return None if ok else f"{_describe(value)} is not a finite number"
+
+
+def _flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"{_describe(value)} is not true or false"
+
+
+def _machine(value: Any) -> str | None:
+    return None if value in (None, MACHINE_FILE) else f"{_describe(value)} is not null or {MACHINE_FILE!r}"
+
+
+def _shape(value: Any) -> str | None:
+    if (
+        not isinstance(value, list)
+        or not 1 <= len(value) <= 8
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value)
+    ):
+        return f"{_describe(value)} is not a list of 1 to 8 positive integers"
+    if math.prod(value) > LIMITS["input_elements"]:
+        return f"{value} holds more than {LIMITS['input_elements']} elements per sample"
+    return None
+
+
+def _strategies(value: Any) -> str | None:
+    choices = ("single", "dp", "ddp")
+    if not isinstance(value, list) or not value or not all(v in choices for v in value):
+        return f"{_describe(value)} is not a list of {', '.join(choices)}"
+    return None
+
+
+def _inject(value: Any) -> str | None:
+    from gpudiag.runtime.faults import InjectSpecError, parse_fault
+
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return f"{_describe(value)} is not a list of fault specs"
+    if len(value) > LIMITS["inject"]:
+        return f"more than {LIMITS['inject']} fault specs"
+    for spec in value:
+        try:
+            parse_fault(spec)
+        except InjectSpecError as exc:
+            return str(exc).splitlines()[0]
+    return None
+
+
+def _pairs(value: Any) -> str | None:
+    import re
+
+    if not isinstance(value, str) or not re.fullmatch(r"all|\d{1,4}-\d{1,4}(,\d{1,4}-\d{1,4})*", value):
+        return f"{_describe(value)} is not all or A-B,C-D"
+    return None
+
+
+def _sizes(value: Any) -> str | None:
+    from gpudiag.checks.peer import parse_sizes
+
+    if not isinstance(value, str) or len(value) > 200:
+        return f"{_describe(value)} is not a list of sizes like 4K,1M"
+    try:
+        sizes = parse_sizes(value)
+    except InputError as exc:
+        return str(exc)
+    if max(sizes) > LIMITS["peer_size"] or len(sizes) > 16:
+        return f"{value!r} asks for more than 16 sizes or a copy over {LIMITS['peer_size'] >> 20} MiB"
+    return None
+
+
+def _output(value: Any) -> str | None:
+    ok = value is None or (isinstance(value, (int, str)) and not isinstance(value, bool))
+    return None if ok else f"{_describe(value)} is not null, an index or a name"
+
+
+def _model(value: Any) -> str | None:
+    from gpudiag.models import BUILTINS
+
+    if not isinstance(value, str) or not value or len(value) > 1000:
+        return f"{_describe(value)} is not a model spec"
+    text = value.partition("?")[0]
+    if text in BUILTINS or text.startswith("torchvision:"):
+        return None
+    target, sep, attr = text.rpartition(":")
+    if not sep or not target or not attr.isidentifier():
+        return (
+            f"{_describe(value)} is not a model spec (torchvision:NAME, path/to/file.py:factory, "
+            f"package.module:factory or one of {', '.join(BUILTINS)})"
+        )
+    return None
+
+
+def _fields() -> dict[str, dict[str, Any]]:
+    from gpudiag.runtime.run import LOSSES
+
+    model = {
+        "model": _model,
+        "input_shape": _shape,
+        "num_classes": _integer(1, LIMITS["num_classes"]),
+        "batch_size": _integer(1, LIMITS["batch_size"]),
+        "steps": _integer(1, LIMITS["steps"]),
+        "lr": _number,
+        "seed": _integer(0, 2**63 - 1),
+        "inject": _inject,
+    }
+    return {
+        "env": {},
+        "topology": {"machine": _machine, "source": _one_of("nvml")},
+        "peer": {"machine": _machine, "pairs": _pairs, "inject": _inject, "sizes": _sizes},
+        "gradcheck": {
+            **model,
+            "loss": _one_of(*LOSSES),
+            "strategies": _strategies,
+            "world_size": _integer(1, LIMITS["world_size"]),
+            "optimizer": _one_of("sgd", "adam", "none"),
+            "dtype": _one_of("fp32", "bf16", "fp16"),
+            "mode": _one_of("auto", "as-is", "controlled"),
+            "output": _output,
+            "sync_batchnorm": _flag,
+        },
+        "nancheck": {
+            **model,
+            "machine": _machine,
+            "pairs": _pairs,
+            "strategy": _one_of("dp", "ddp"),
+            "loss": _one_of(*LOSSES),
+        },
+    }
+
+
+class _LazyFields(dict):  # type: ignore[type-arg]
+    """:func:`_fields`, built on first use (it imports the runtime)."""
+
+    def __missing__(self, name: str) -> dict[str, Any]:
+        self.update(_fields())
+        return dict.__getitem__(self, name)
+
+
+_FIELDS: dict[str, dict[str, Any]] = _LazyFields()
+
+#: The lists of each check's result that replay compares, and the fields of their items.
+_RESULT_LISTS = {
+    "gradcheck": {"comparisons": ("strategy", "mode", "ok", "rel_norm_err", "norm_ratio")},
+    "nancheck": {
+        "singles": ("device", "status", "first_bad_step"),
+        "pairs": ("a", "b", "status", "first_bad_step"),
+    },
+    "peer": {"pairs": ("src", "dst")},
+    "topology": {"pairs": ("a", "b", "link")},
+}
+
+
+_GPU_FIELDS = ("device", "a", "b", "src", "dst")
+
+
+def _result_problem(name: str, result: dict[str, Any]) -> str | None:
+    """The first field of ``result`` that :func:`compare` could not read, named."""
+    for key, fields in _RESULT_LISTS[name].items():
+        items = result.get(key, [])
+        if not isinstance(items, list):
+            return f"{key} is not a list"
+        for j, item in enumerate(items):
+            if not isinstance(item, dict) or any(f not in item for f in fields):
+                return f"{key}[{j}] lacks one of {', '.join(fields)}"
+            if name == "gradcheck" and not (
+                isinstance(item["strategy"], str)
+                and isinstance(item["mode"], str)
+                and isinstance(item["ok"], bool)
+                and isinstance(item.get("options", {}), dict)
+            ):
+                return f"{key}[{j}]: strategy and mode are strings, ok true or false, options an object"
+            ids = [item[f] for f in fields if f in _GPU_FIELDS]
+            if not all(isinstance(g, int) and not isinstance(g, bool) for g in ids):
+                return f"{key}[{j}]: a GPU number that is not an integer"
+            if name == "peer" and not isinstance(item.get("copies", []), list):
+                return f"{key}[{j}].copies is not a list"
+            if name == "peer" and not all(isinstance(c, dict) for c in item.get("copies", [])):
+                return f"{key}[{j}].copies holds something other than objects"
+    return None
 
 
 def _codes(run: CheckRun) -> list[str]:

@@ -19,7 +19,6 @@ the bundle appears at its path only when complete (written beside it, then renam
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
 import shutil
@@ -239,27 +238,34 @@ class Bundle:
             return None
         from gpudiag.hw.machine import from_json
 
-        return from_json(
-            _json(self.files[MACHINE_FILE], MACHINE_FILE, self.path), f"{self.path}/{MACHINE_FILE}"
-        )
+        document = _json(self.files[MACHINE_FILE], MACHINE_FILE, self.path)
+        try:
+            return from_json(document, f"{self.path}/{MACHINE_FILE}")
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise InputError(f"{self.path}: {MACHINE_FILE} is damaged ({type(exc).__name__}: {exc})") from exc
+
+
+#: What a bundle may hold before :func:`read_bundle` refuses it (a real one holds a few MB:
+#: report.json, REPORT.md, repro.py, traces, one log per rank per launch).
+MAX_FILES = 2000
+MAX_FILE_BYTES = 64 << 20
+MAX_TOTAL_BYTES = 256 << 20
+#: Uncompressed / compressed size of one zip member over 1 MiB (JSON traces and rank logs
+#: compress 10-50 times; a zip bomb a thousand times and more).
+MAX_RATIO = 200
 
 
 def read_bundle(path: str | os.PathLike[str]) -> Bundle:
-    """Read a bundle folder or zip; damaged or from a newer schema → :class:`InputError`."""
+    """Read a bundle folder or zip within :data:`MAX_FILES`, :data:`MAX_FILE_BYTES`,
+    :data:`MAX_TOTAL_BYTES` and :data:`MAX_RATIO` (sizes checked before anything is read,
+    reads bounded); damaged, too large, or from a newer schema → :class:`InputError`."""
     source = Path(path)
-    files: dict[str, bytes] = {}
     if source.is_dir():
-        for file in sorted(source.rglob("*")):
-            if file.is_file():
-                files[file.relative_to(source).as_posix()] = file.read_bytes()
+        files = _read_folder(source)
     elif source.is_file():
-        try:
-            with zipfile.ZipFile(io.BytesIO(source.read_bytes())) as archive:
-                for info in archive.infolist():
-                    if not info.is_dir():
-                        files[info.filename] = archive.read(info)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise InputError(f"{source}: not a gpudiag bundle (a damaged zip: {exc})") from exc
+        files = _read_zip(source)
+    elif source.exists():
+        raise InputError(f"{source}: not a gpudiag bundle (neither a folder nor a file)")
     else:
         raise InputError(f"{source} does not exist")
     if "report.json" not in files:
@@ -278,11 +284,148 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         isinstance(c, dict) and "name" in c and "status" in c for c in document["checks"]
     ):
         raise InputError(f"{source}: report.json is damaged (no valid checks list)")
+    problem = _damaged(document)
+    if problem:
+        raise InputError(f"{source}: report.json is damaged ({problem})")
     return Bundle(str(source), document, files)
+
+
+def _too_large(source: Path, what: str) -> InputError:
+    return InputError(
+        f"{source}: refused, {what} (a bundle holds at most {MAX_FILES} files, "
+        f"{MAX_FILE_BYTES >> 20} MiB each, {MAX_TOTAL_BYTES >> 20} MiB in all)"
+    )
+
+
+def _read_folder(source: Path) -> dict[str, bytes]:
+    """Regular files only (no links, FIFOs or devices), sizes checked before reading."""
+    import stat
+
+    found: list[tuple[str, Path, int]] = []
+    total = 0
+    for root, dirs, names in os.walk(source):  # (os.walk does not follow links to folders)
+        dirs.sort()
+        for name in sorted(names):
+            file = Path(root) / name
+            try:
+                info = file.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            relative = file.relative_to(source).as_posix()
+            total += info.st_size
+            if len(found) >= MAX_FILES:
+                raise _too_large(source, f"more than {MAX_FILES} files")
+            if info.st_size > MAX_FILE_BYTES:
+                raise _too_large(source, f"{relative} holds {info.st_size} bytes")
+            if total > MAX_TOTAL_BYTES:
+                raise _too_large(source, f"its files hold more than {MAX_TOTAL_BYTES} bytes")
+            found.append((relative, file, info.st_size))
+    files = {}
+    for relative, file, size in found:
+        try:
+            with open(file, "rb") as stream:
+                files[relative] = stream.read(size + 1)
+        except OSError as exc:
+            raise InputError(f"{source}: cannot read {relative} ({exc.strerror or exc})") from exc
+        if len(files[relative]) > size:
+            raise InputError(f"{source}: {relative} grew while it was read")
+    return files
+
+
+#: What a damaged, encrypted or unsupported zip raises while it is listed or read.
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    EOFError,
+    RuntimeError,
+    NotImplementedError,
+    ValueError,
+    KeyError,
+    IndexError,
+    OverflowError,
+)
+
+
+def _read_zip(source: Path) -> dict[str, bytes]:
+    """Every member's declared size is checked before any is read; each read is bounded
+    by it (zipfile stops there and checks the CRC)."""
+    files: dict[str, bytes] = {}
+    try:
+        with zipfile.ZipFile(source) as archive:
+            members = [info for info in archive.infolist() if not info.is_dir()]
+            if len(members) > MAX_FILES:
+                raise _too_large(source, f"it holds {len(members)} files")
+            total = 0
+            for info in members:
+                total += info.file_size
+                if info.file_size > MAX_FILE_BYTES:
+                    raise _too_large(source, f"{info.filename} unpacks to {info.file_size} bytes")
+                if total > MAX_TOTAL_BYTES:
+                    raise _too_large(source, f"its files unpack to more than {MAX_TOTAL_BYTES} bytes")
+                if info.file_size > 1 << 20 and info.file_size > MAX_RATIO * max(info.compress_size, 1):
+                    raise _too_large(
+                        source,
+                        f"{info.filename} unpacks {info.file_size // max(info.compress_size, 1)} times "
+                        f"its packed size (a zip bomb? at most {MAX_RATIO})",
+                    )
+            for info in members:
+                with archive.open(info) as stream:
+                    data = stream.read(info.file_size + 1)
+                if len(data) > info.file_size:
+                    raise InputError(f"{source}: {info.filename} unpacks past its declared size")
+                files[info.filename] = data
+    except InputError:
+        raise
+    except _ZIP_ERRORS as exc:
+        raise InputError(f"{source}: not a gpudiag bundle (a damaged zip: {exc})") from exc
+    return files
+
+
+def _damaged(document: dict[str, Any]) -> str | None:
+    """What in ``report.json`` has the wrong type for replay to read it, naming the field."""
+    from gpudiag.checks.suite import CHECKS, STATUSES
+
+    env = document.get("env")
+    if env is not None and not isinstance(env, dict):
+        return "env is not an object"
+    if isinstance(env, dict):
+        sections = env.get("sections", {})
+        if not isinstance(sections, dict) or not all(
+            v is None or isinstance(v, dict) for v in sections.values()
+        ):
+            return "env.sections is not an object of objects"
+    for i, check in enumerate(document["checks"]):
+        where = f"checks[{i}]"
+        if check["name"] not in CHECKS:
+            return f"{where}.name: unknown check {check['name']!r} (known: {', '.join(CHECKS)})"
+        if check["status"] not in STATUSES:
+            return f"{where}.status: {check['status']!r} is not one of {', '.join(STATUSES)}"
+        for key, kinds, what in (
+            ("headline", (str,), "a string"),
+            ("config", (dict, type(None)), "an object or null"),
+            ("result", (dict, type(None)), "an object or null"),
+            ("findings", (list,), "a list"),
+            ("skipped", (list,), "a list"),
+            ("seconds", (int, float), "a number"),
+        ):
+            if key in check and not isinstance(check[key], kinds):
+                return f"{where}.{key} is not {what}"
+        for j, finding in enumerate(check.get("findings", [])):
+            if not (
+                isinstance(finding, dict)
+                and isinstance(finding.get("code"), str)
+                and isinstance(finding.get("message"), str)
+                and isinstance(finding.get("evidence") or {}, dict)
+            ):
+                return f"{where}.findings[{j}] is not a finding (code, message, evidence)"
+    return None
 
 
 def _json(data: bytes, name: str, bundle: str) -> Any:
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InputError(f"{bundle}: {name} is damaged ({exc})") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpudiag.checks.suite import Here, command_line, plan, run_check
 from gpudiag.cli import cli
@@ -192,6 +195,11 @@ def test_secrets_never_reach_the_bundle(tmp_path: Path, monkeypatch: pytest.Monk
         "        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))\n\n"
         "    def forward(self, x):\n"
         "        print('auth with', os.environ['HF_TOKEN'], os.environ['MY_SERVICE_PASSWORD'], flush=True)\n"
+        "        print('db', os.environ['DB_PWD'], 'svc', os.environ['MY_SERVICE_CREDS'], flush=True)\n"
+        "        print('Authorization: Bearer', os.environ['BEARER'], flush=True)\n"
+        "        print('argv: train.py --api-key=' + os.environ['CLI_ARG'], flush=True)\n"
+        "        print('max_tokens=512 session_length=30', 'auth_mode=none', end=' ')\n"
+        "        print('passthrough=1 bypass=0', flush=True)\n"
         "        return self.net(x)\n"
     )
     monkeypatch.setenv("HOME", str(home))
@@ -200,7 +208,13 @@ def test_secrets_never_reach_the_bundle(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
     monkeypatch.setenv("TORCH_HUB_URL", "https://deploy:hunter2hunter2@hub.example.com/models")
+    # Issue 16: values of *_PWD / *_CREDS variables reached the rank logs verbatim.
+    monkeypatch.setenv("DB_PWD", "db-pwd-5551234")
+    monkeypatch.setenv("MY_SERVICE_CREDS", "svc-creds-5551234")
+    monkeypatch.setenv("BEARER", "bearer0123456789abcdef")  # (a name that is no secret: found by shape)
+    monkeypatch.setenv("CLI_ARG", "cli-key-5551234")  # likewise: found as --api-key=…
     secrets = [HF, PASSWORD, CONF_TOKEN, "0123456789abcdef0123456789abcdef", "hunter2hunter2"]
+    secrets += ["db-pwd-5551234", "svc-creds-5551234", "bearer0123456789abcdef", "cli-key-5551234"]
     for suffix in ("folder", "bundle.zip"):
         out = tmp_path / suffix
         result = CliRunner().invoke(
@@ -221,6 +235,8 @@ def test_secrets_never_reach_the_bundle(tmp_path: Path, monkeypatch: pytest.Monk
         files = bundle_bytes(out)
         logs = [name for name in files if name.startswith("logs/")]
         assert logs and any(b"auth with <redacted: set>" in files[name] for name in logs)
+        ordinary = b"max_tokens=512 session_length=30 auth_mode=none passthrough=1 bypass=0"  # (print joins)
+        assert any(ordinary in files[name] for name in logs)  # not over-redacted
         for name, data in files.items():
             for secret in secrets:
                 assert secret.encode() not in data, f"{secret} leaked into {name}"
@@ -253,10 +269,10 @@ def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written
+    # --force replaces an earlier bundle only (tests/test_outputs.py), not a user's folder
     result = runner.invoke(cli, ["report", "--checks", "env", "-o", str(existing), "--force"])
-    assert (
-        result.exit_code == 0 and (existing / "report.json").exists() and not (existing / "keep.txt").exists()
-    )
+    assert result.exit_code == 2 and "not a gpudiag bundle" in result.output
+    assert sorted(p.name for p in existing.iterdir()) == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
@@ -437,3 +453,358 @@ def test_doctor_reads_the_topology_from_nvml(tmp_path: Path, monkeypatch: pytest
     assert "nvswitch-without-nvlink" in {f["code"] for f in checks["topology"]["findings"]}
     assert checks["nancheck"]["status"] == "skipped"  # NVML sees GPUs, torch has no CUDA here
     assert json.loads((tmp_path / "b" / "report.json").read_text())["here"]["nvml"] == "ok"
+
+
+def write_doc(folder: Path, checks: list[dict], **files: bytes) -> Path:
+    """A folder bundle whose report.json holds ``checks`` (and any other files given)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": "gpudiag.report/1", "checks": checks, "env": None}
+    (folder / "report.json").write_text(json.dumps(doc))
+    for name, data in files.items():
+        (folder / name.replace("__", "/")).write_bytes(data)
+    return folder
+
+
+def gradcheck_entry(**config: object) -> dict:
+    return {
+        "name": "gradcheck",
+        "status": "pass",
+        "headline": "",
+        "config": {**plan(NO_GPU, ["gradcheck"])[0][1], **config},
+        "findings": [],
+        "result": None,
+    }
+
+
+def test_anonymized_bundles_are_json_and_replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16: a home path at the end of a JSON string ate its closing `",`."""
+    monkeypatch.setenv("NCCL_DEBUG_FILE", "/home/alice")
+    monkeypatch.setenv("NCCL_TOPO_FILE", "/home/alice/topo.xml")
+    for name in ("anon", "anon.zip"):
+        out = tmp_path / name
+        args = ["report", "--anonymize", "--machine", FOUR_GPUS, "--checks", "env,topology", "-o", str(out)]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        files = bundle_bytes(out)
+        for file, data in files.items():
+            if file.endswith(".json"):
+                json.loads(data)
+        variables = json.loads(files["report.json"])["env"]["sections"]["variables"]
+        assert variables["NCCL_DEBUG_FILE"] == "/home/<user>"
+        assert variables["NCCL_TOPO_FILE"] == "/home/<user>/topo.xml"
+        result = CliRunner().invoke(cli, ["replay", str(out)])
+        assert result.exit_code == 0, result.output
+
+
+def test_replay_runs_no_code_the_bundle_names(tmp_path: Path) -> None:
+    """Issue 16: replay imported and called the bundle's --model without a word."""
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\nbuild = None\n")
+    bundle = write_doc(
+        tmp_path / "b", [gradcheck_entry(model=f"{evil}:build"), {**gradcheck_entry(model="this:x")}]
+    )
+    result = CliRunner().invoke(cli, ["replay", str(bundle), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert not marker.exists() and "Zen of Python" not in result.output
+    doc = json.loads(result.output)
+    assert doc["trusted"] is False
+    notes = [c["note"] for c in doc["checks"]]
+    assert [c["here"]["status"] for c in doc["checks"]] == ["skipped", "skipped"]
+    assert f"--model '{evil}:build' would run the Python file {evil}" in notes[0]
+    assert "--model 'this:x' would import the module this" in notes[1]
+    assert all("--trust-bundle" in note for note in notes)
+    result = CliRunner().invoke(cli, ["replay", str(bundle), "--trust-bundle"])
+    assert marker.exists()  # with the flag it runs (and this file has no factory: a difference)
+    assert result.exit_code == 1, result.output
+
+
+def test_replay_reads_bundles_within_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16: a zip bomb was read into memory whole. Sizes are checked before reading."""
+    import gpudiag.repro.report as report_module
+
+    report = json.dumps({"schema": "gpudiag.report/1", "checks": []}).encode()
+    bomb = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("report.json", report)
+        with archive.open("logs/x.log", "w") as stream:
+            for _ in range(80):
+                stream.write(bytes(1 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    ratio = tmp_path / "ratio.zip"
+    with zipfile.ZipFile(ratio, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("report.json", report)
+        archive.writestr("logs/x.log", bytes(4 << 20))
+    many = tmp_path / "many.zip"
+    with zipfile.ZipFile(many, "w") as archive:
+        archive.writestr("report.json", report)
+        for i in range(2000):
+            archive.writestr(f"logs/{i}.log", b"")
+    cases = {
+        bomb: "logs/x.log unpacks to 83886080 bytes",
+        ratio: "a zip bomb?",
+        many: "it holds 2001 files",
+    }
+    for path, message in cases.items():
+        result = CliRunner().invoke(cli, ["replay", str(path)])
+        assert result.exit_code == 2, (path, result.output)
+        assert message in result.output and result.output.count("\n") == 1, result.output
+    # Folders: limits lowered here to keep the test small.
+    big = write_doc(tmp_path / "big", [])
+    (big / "trace.json").write_bytes(bytes(1 << 20))
+    crowded = write_doc(tmp_path / "crowded", [])
+    for i in range(5):
+        (crowded / f"{i}.log").write_text("x")
+    monkeypatch.setattr(report_module, "MAX_FILE_BYTES", (1 << 20) - 1)
+    monkeypatch.setattr(report_module, "MAX_FILES", 4)
+    for path, message in {big: "trace.json holds 1048576 bytes", crowded: "more than 4 files"}.items():
+        result = CliRunner().invoke(cli, ["replay", str(path)])
+        assert result.exit_code == 2 and message in result.output, (path, result.output)
+    # Only regular files are read: no FIFO (a read would block), no link out of the folder.
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    os.mkfifo(odd / "report.json")
+    outside = write_doc(tmp_path / "outside", [])
+    (odd / "logs").symlink_to(outside)
+    result = CliRunner().invoke(cli, ["replay", str(odd)])
+    assert result.exit_code == 2 and "no report.json" in result.output
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_replay_skips_what_cannot_run_here(tmp_path: Path) -> None:
+    """Issue 16: a check this machine cannot run was reported as DIFFERS, without the reason."""
+    copies = [{"wrong": False}] * 2
+    peer = {
+        "name": "peer",
+        "status": "pass",
+        "headline": "",
+        "config": {"machine": None, "pairs": "all", "inject": []},
+        "findings": [],
+        "result": {"pairs": [{"src": 0, "dst": 1, "copies": copies}, {"src": 1, "dst": 0, "copies": copies}]},
+    }
+    topology = {
+        "name": "topology",
+        "status": "pass",
+        "headline": "",
+        "config": {"source": "nvml"},
+        "findings": [],
+        "result": {"pairs": [{"a": 0, "b": 1, "link": "NV2"}]},
+    }
+    gradcheck = gradcheck_entry()
+    gradcheck["result"] = {"config": {"devices": {"kind": "cuda", "ids": [0, 1]}}, "comparisons": []}
+    bundle = write_doc(tmp_path / "b", [peer, topology, gradcheck])
+    result = CliRunner().invoke(cli, ["replay", str(bundle), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert [c["here"]["status"] for c in doc["checks"]] == ["skipped"] * 3
+    notes = [c["note"] for c in doc["checks"]]
+    assert notes[0] == "cannot run here: the reporter ran peer on CUDA GPU(s) 0, 1; here 0 CUDA GPU(s)"
+    assert notes[1].startswith("cannot run here: the reporter read the topology from NVML")
+    assert notes[2].startswith("cannot run here: the reporter ran gradcheck on 2 CUDA GPU(s); here 0")
+
+
+def test_replay_rejects_fields_of_the_wrong_type(tmp_path: Path) -> None:
+    """Issue 16: world_size "2" (a string) hung for 305 s. Now exit 2 naming the field, at once."""
+    nancheck = {"name": "nancheck", "status": "pass", "headline": "", "findings": [], "result": None}
+    cases = {
+        "checks[0].config.world_size: '2' is not an integer": [gradcheck_entry(world_size="2")],
+        "checks[0].config.input_shape": [gradcheck_entry(input_shape=[3, "32", 32])],
+        "checks[0].config.strategies": [gradcheck_entry(strategies="single,dp")],
+        "checks[0].config.inject": [gradcheck_entry(inject="1->0:nan")],
+        "checks[0].config.timeout: unknown field of gradcheck": [gradcheck_entry(timeout=1e9)],
+        "checks[0].config.world_size: 100000 is out of range": [gradcheck_entry(world_size=100_000)],
+        "checks[0].config.machine_file: unknown field": [
+            {**nancheck, "config": {"machine_file": "/etc/passwd"}}
+        ],
+        "checks[0].config.machine names machine.json, which the bundle lacks": [
+            {**nancheck, "config": {"machine": "machine.json"}}
+        ],
+        "checks[0].config.pairs": [{**nancheck, "config": {"pairs": [0, 1]}}],
+        "checks[0].name: unknown check 'rm'": [{**nancheck, "name": "rm", "config": {}}],
+        "checks[0].result.singles[0]: a GPU number that is not an integer": [
+            {
+                **nancheck,
+                "config": {},
+                "result": {"singles": [{"device": [0], "status": "ok", "first_bad_step": None}]},
+            }
+        ],
+        "checks[0].findings[0] is not a finding": [{**nancheck, "config": None, "findings": [3]}],
+    }
+    for i, (message, checks) in enumerate(cases.items()):
+        bundle = write_doc(tmp_path / str(i), checks)
+        result = CliRunner().invoke(cli, ["replay", str(bundle)])
+        assert result.exit_code == 2 and message in result.output, (message, result.output)
+        assert result.output.count("\n") == 1
+
+
+def _zip_of(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+#: Values a real configuration or result holds, and near misses, besides random ones.
+_PLAUSIBLE = _VALUES | st.sampled_from(
+    (
+        0,
+        1,
+        2,
+        "2",
+        1000000000.0,
+        -1,
+        "mlp",
+        "cnn-bn",
+        "this:x",
+        "/tmp/x.py:build",
+        "torchvision:resnet18",
+        "all",
+        "0-1",
+        "machine.json",
+        "nvml",
+        (3, 8, 8),
+        (3, "8"),
+        ("single", "dp"),
+        ("1->0:nan",),
+        "4K,1M",
+        "ok",
+    )
+).map(lambda v: list(v) if isinstance(v, tuple) else v)
+_KEYS = st.sampled_from(
+    (
+        "model",
+        "world_size",
+        "input_shape",
+        "strategies",
+        "inject",
+        "pairs",
+        "machine",
+        "source",
+        "sizes",
+        "steps",
+        "seed",
+        "loss",
+        "mode",
+        "dtype",
+        "strategy",
+        "timeout",
+    )
+)
+_ITEM_KEYS = st.sampled_from(
+    (
+        "src",
+        "dst",
+        "a",
+        "b",
+        "device",
+        "status",
+        "first_bad_step",
+        "link",
+        "strategy",
+        "mode",
+        "ok",
+        "rel_norm_err",
+        "norm_ratio",
+        "options",
+        "copies",
+    )
+)
+_ITEMS = st.lists(st.dictionaries(_ITEM_KEYS, _PLAUSIBLE, max_size=6), max_size=2) | _VALUES
+_CHECK = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["env", "topology", "peer", "gradcheck", "nancheck"] * 3 + ["bogus"]),
+        "status": st.sampled_from(["pass", "fail", "warning", "error", "skipped"] * 3 + ["odd"]),
+    },
+    optional={
+        "config": st.dictionaries(_KEYS, _PLAUSIBLE, max_size=3) | st.just({}) | _VALUES,
+        "result": st.dictionaries(st.sampled_from(["pairs", "singles", "comparisons", "config"]), _ITEMS)
+        | _VALUES,
+        "findings": st.just([]) | st.lists(st.dictionaries(st.sampled_from(["code", "message"]), _PLAUSIBLE)),
+        "seconds": st.floats(0, 10) | st.floats(0, 10) | _VALUES,
+        "headline": st.text(max_size=10) | st.text(max_size=10) | _VALUES,
+    },
+)
+_ENV = st.none() | st.fixed_dictionaries(
+    {"sections": st.dictionaries(st.sampled_from(["versions", "gpus", "flags"]), _VALUES) | _VALUES}
+)
+_REPORT = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "schema": st.sampled_from(["gpudiag.report/1"] * 6 + ["gpudiag.report/x", "other"]),
+            "checks": st.lists(_CHECK, min_size=1, max_size=3),
+        },
+        optional={"env": _ENV},
+    ),
+    _VALUES,
+)
+#: Checks whose every field is valid but the configuration and the result (deeper paths).
+_DEEP = st.lists(
+    st.fixed_dictionaries(
+        {
+            "name": st.sampled_from(["env", "topology", "peer", "gradcheck", "nancheck"]),
+            "status": st.sampled_from(["pass", "fail", "warning"]),
+            "config": st.dictionaries(_KEYS, _PLAUSIBLE, max_size=3),
+            "result": st.none()
+            | st.dictionaries(st.sampled_from(["pairs", "singles", "comparisons"]), _ITEMS),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+).map(lambda checks: {"schema": "gpudiag.report/1", "checks": checks})
+_BUNDLE = st.one_of(
+    st.tuples(st.just("bytes"), st.binary(max_size=200)),
+    st.tuples(
+        st.just("zip"),
+        st.dictionaries(
+            st.sampled_from(["report.json", "machine.json", "logs/a.log", "x/"]), st.binary(max_size=50)
+        ),
+    ),
+    st.tuples(st.just("folder"), _REPORT.map(lambda doc: json.dumps(doc).encode())),
+    st.tuples(st.just("zipped"), _REPORT.map(lambda doc: json.dumps(doc).encode())),
+    st.tuples(st.just("folder"), _DEEP.map(lambda doc: json.dumps(doc).encode())),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bundle=_BUNDLE)
+def test_replay_fuzz(
+    bundle: tuple[str, bytes | dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random bytes, zips and report.json documents: exit 0, 1, 2 (or 3), never an internal
+    error, never a hang. Checks that pass validation run as a stub echoing the recorded
+    result (the real runs are tested above); validation and comparison run for real."""
+    import time
+
+    import gpudiag.repro.replay as replay_module
+    from gpudiag.checks.suite import CheckRun, Here
+
+    def stub(name: str, config: dict, here: Here, *, why: str = "") -> CheckRun:
+        return CheckRun(name, "pass", "stub", config)
+
+    monkeypatch.setattr(replay_module, "run_check", stub)
+    monkeypatch.setattr(Here, "detect", classmethod(lambda cls, machine=None: NO_GPU))
+    kind, content = bundle
+    target = tmp_path / f"fuzz-{time.monotonic_ns()}"
+    if kind == "bytes":
+        target.write_bytes(content)  # type: ignore[arg-type]
+    elif kind == "zip":
+        target.write_bytes(_zip_of(content))  # type: ignore[arg-type]
+    elif kind == "zipped":
+        target.write_bytes(_zip_of({"report.json": content}))  # type: ignore[dict-item]
+    else:
+        target.mkdir()
+        (target / "report.json").write_bytes(content)  # type: ignore[arg-type]
+    start = time.monotonic()
+    result = CliRunner().invoke(cli, ["replay", str(target), "--format", "json"])
+    assert time.monotonic() - start < 10
+    assert result.exit_code in (0, 1, 2, 3), result.output
+    assert "internal error" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    if result.exit_code == 3:
+        assert "cannot run" in result.output

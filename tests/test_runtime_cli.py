@@ -1,4 +1,4 @@
-"""The options every runtime command shares: --inject (grammar, exit 2) and --trace."""
+"""The options every runtime command shares: --inject (grammar, exit 2), --trace and --timeout."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from tests import models
 
 @click.command()
 @runtime_options
-def probe(inject: tuple[str, ...], trace: str | None) -> None:
+def probe(inject: tuple[str, ...], trace: str | None, timeout: float) -> None:
     x, y = models.batch(8)
-    result = run(models.mlp, x, y, RunConfig("dp", DeviceSet.virtual(2), steps=2, faults=inject))
+    config = RunConfig("dp", DeviceSet.virtual(2), steps=2, faults=inject, timeout=timeout)
+    result = run(models.mlp, x, y, config)
     if trace:
         result.recorder.write(trace)
     click.echo(json.dumps(sorted({f for t in result.recorder.transfers for f in t.faults})))
@@ -44,3 +45,8 @@ def test_trace_file_is_chrome_trace_or_jsonl(tmp_path: Path) -> None:
             assert all(json.loads(line)["type"] for line in text.splitlines())
         else:
             assert json.loads(text)["traceEvents"]
+
+
+def test_timeout_must_be_positive() -> None:
+    for bad in ("0", "-1", "soon"):
+        assert CliRunner().invoke(probe, ["--timeout", bad]).exit_code == 2
