@@ -188,7 +188,7 @@ class Redactor:
         return value
 
     def bytes(self, data: bytes) -> bytes:
-        """A file's bytes redacted. JSON (a document starting ``{`` or ``[``) is parsed, walked
+        """A file's bytes redacted. JSON (an object, array or string) is parsed, walked
         with :meth:`data` and written back in its own layout, so its structure survives;
         anything else is scrubbed as text (bytes that are not UTF-8 pass through as they are,
         and secrets around them are still found)."""
@@ -210,8 +210,8 @@ def _is_secret_flag(word: str) -> bool:
 
 
 def _json_document(data: bytes) -> tuple[Any] | None:
-    """``(document,)`` when ``data`` is a JSON object or array, else None."""
-    if data.lstrip()[:1] not in (b"{", b"["):
+    """``(document,)`` when ``data`` is a JSON object, array or string, else None."""
+    if data.lstrip()[:1] not in (b"{", b"[", b'"'):
         return None
     try:
         return (json.loads(data),)
