@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code
+from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.render.jsonout import number as _number
@@ -413,16 +413,17 @@ def nancheck_spec(
 ) -> NancheckReport:
     """``gpudiag nancheck``: resolve the model and machine (a machine file, or an already
     loaded ``machine``), make the batch, sweep."""
-    from gpudiag.hw.machine import load_machine
     from gpudiag.models import random_batch, resolve_model
+    from gpudiag.topology.sources import read_machine_or_capture
 
     if machine_file:
-        machine = load_machine(machine_file)
-    factory = resolve_model(model, input_shape, num_classes)
-    inputs, targets = random_batch(
-        factory, batch_size, input_shape, num_classes, "ce", options.get("seed", 0)
-    )
-    report = nancheck(factory, inputs, targets, machine=machine, **options)
+        machine = read_machine_or_capture(machine_file)
+    with naming_model(model):
+        factory = resolve_model(model, input_shape, num_classes)
+        inputs, targets = random_batch(
+            factory, batch_size, input_shape, num_classes, "ce", options.get("seed", 0)
+        )
+        report = nancheck(factory, inputs, targets, machine=machine, **options)
     report.config.update(
         {"model": model, "input_shape": list(input_shape), "batch_size": batch_size, "machine": machine_file}
     )

@@ -8,6 +8,9 @@ traceback only with ``--debug``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_BAD_INPUT = 2
@@ -30,6 +33,22 @@ class CannotRunHere(GpudiagError):
     """This machine lacks what the command needs (driver, GPU, optional dependency)."""
 
     exit_code = EXIT_CANNOT_RUN
+
+
+class UserCodeError(InputError):
+    """The user's own code — a model's forward, its factory, the file that defines it —
+    raised or exited (exit 2: the user's to fix, not a gpudiag bug)."""
+
+
+@contextlib.contextmanager
+def naming_model(spec: str) -> Iterator[None]:
+    """A :class:`UserCodeError` raised in the block names ``--model SPEC`` first."""
+    try:
+        yield
+    except UserCodeError as exc:
+        if str(exc).startswith("--model "):
+            raise
+        raise UserCodeError(f"--model {spec!r}: {exc}") from exc
 
 
 class ResourceError(CannotRunHere):
@@ -78,11 +97,11 @@ def from_user_code(exc: BaseException, where: str) -> GpudiagError:
         return exc
     if isinstance(exc, SystemExit):
         how = getattr(exc, "via", "sys.exit")
-        return InputError(f"{where} called {how}({exc.code!r}) — gpudiag stopped instead of exiting")
+        return UserCodeError(f"{where} called {how}({exc.code!r}) — gpudiag stopped instead of exiting")
     if is_out_of_memory(exc):
         return ResourceError(f"{where} ran out of memory ({type(exc).__name__}: {_first_line(exc)})")
     if is_out_of_space(exc):
         assert isinstance(exc, OSError)
         on = f" writing {exc.filename}" if exc.filename else ""
         return ResourceError(f"{where}: no space left on device{on} ({exc.strerror})")
-    return InputError(f"{where} raised {type(exc).__name__}: {_first_line(exc)}")
+    return UserCodeError(f"{where} raised {type(exc).__name__}: {_first_line(exc)}")

@@ -143,6 +143,14 @@ def resolve_model(
             close = difflib.get_close_matches(name, names, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise InputError(f"torchvision has no model {name!r}{hint}")
+        trained = [
+            k for k in ("weights", "weights_backbone", "pretrained") if kwargs.get(k) not in (None, False)
+        ]
+        if trained:
+            raise InputError(
+                f"--model {spec!r}: {trained[0]}= would download trained weights; gpudiag never downloads, "
+                "and comparing strategies needs none (random weights exercise the same arithmetic): drop it"
+            )
         return ModelFactory(spec, "torchvision", name, **common)
     target, sep, attr = text.rpartition(":")
     if not sep or not attr.isidentifier() or not target:

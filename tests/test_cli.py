@@ -135,7 +135,8 @@ def test_live_nvml_scenario_renders() -> None:
         (["--from-file", str(TOPO / "amd_rocm_smi_showtopo_4gpu_pcie.txt")], "rocm-smi"),
         (["--machine", "/nonexistent/m.json"], "does not exist"),
         (["--from-file", SEED, "--machine", SEED], "not both"),
-        (["--machine", SEED], "not valid JSON"),
+        (["--machine", str(TOPO / "amd_rocm_smi_showtopo_4gpu_pcie.txt")], "rocm-smi"),
+        (["--machine", "/dev/zero"], "larger than 8 MiB"),
     ],
 )
 def test_bad_input_is_exit_2_with_one_line(args: list[str], message: str) -> None:
@@ -214,3 +215,15 @@ def test_a_non_ascii_numa_node_never_reaches_a_command_line(tmp_path: Path) -> N
     machine.write_text(json.dumps(doc))
     result = run("topology", "--machine", str(machine))
     assert result.exit_code == 0 and "numactl" not in result.output and "taskset" in result.output
+
+
+@pytest.mark.parametrize("command", ["topology", "nancheck", "peer"])
+@pytest.mark.parametrize("machine", ["seed_8gpu_topo.txt", "diag/examples/seed_8gpu_machine.json"])
+def test_machine_takes_a_capture_or_a_machine_file_and_bundled_examples_by_name(
+    command: str, machine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # not the repository: the examples come with the package
+    extra = {"topology": [], "nancheck": ["--pairs", "0-1", "--steps", "2"], "peer": ["--pairs", "0-1"]}[command]
+    result = CliRunner().invoke(cli, [command, "--machine", machine, *extra, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["schema"].startswith("gpudiag.")

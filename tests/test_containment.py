@@ -141,3 +141,28 @@ def test_nancheck_names_the_device_where_the_model_failed(model_file: str, tmp_p
     )
     assert result.exit_code == 2, result.output
     assert "the model under single on device 0 raised ValueError" in result.output
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("torchvision:resnet18?bogus=1", "the model factory raised TypeError"),
+        ("torchvision:resnet18?weights='IMAGENET1K_V1'", "weights= would download trained weights"),
+        ("torchvision:resnet18?pretrained=True", "pretrained= would download"),
+        ("EMBEDDING", "raised RuntimeError"),  # token ids expected, floats given
+    ],
+)
+def test_a_users_mistake_is_exit_2_naming_the_spec(spec: str, words: str, tmp_path: Path) -> None:
+    if spec == "EMBEDDING":
+        path = tmp_path / "tokens.py"
+        path.write_text(
+            "from torch import nn\n\ndef make():\n    return nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 3))\n"
+        )
+        spec = f"{path}:make"
+    for command in (["gradcheck"], ["nancheck", "--machine", "seed_8gpu_topo.txt", "--pairs", "0-1"]):
+        result = CliRunner().invoke(
+            cli, [*command, "--model", spec, "--input-shape", "4", "--num-classes", "3"]
+        )
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"gpudiag: error: --model {spec!r}: ") and words in result.output
+        assert "internal error" not in result.output and "Downloading" not in result.output

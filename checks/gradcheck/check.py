@@ -35,7 +35,7 @@ from gpudiag.checks.gradcheck.schedule import (
     outcomes,
 )
 from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
-from gpudiag.errors import InputError, from_user_code
+from gpudiag.errors import InputError, from_user_code, naming_model
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
 from gpudiag.runtime.batch import OutputKey, batch_size, split
@@ -478,11 +478,12 @@ def gradcheck_spec(
     """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch, compare."""
     from gpudiag.models import random_batch, resolve_model
 
-    factory = resolve_model(model, input_shape, num_classes)
     options["inject"] = tuple(options.get("inject", ()))
     options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
     seed = options.get("seed", 0)
     output = options.get("output")
-    inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed, output)
     describe = {"model": model, "input_shape": list(input_shape), "num_classes": num_classes}
-    return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)
+    with naming_model(model):
+        factory = resolve_model(model, input_shape, num_classes)
+        inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed, output)
+        return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpudiag.errors import InputError
+from gpudiag.errors import InputError, from_user_code
 from gpudiag.findings import Finding
 from gpudiag.runtime.batch import OutputKey, call_model, micro_batches, select_output
 from gpudiag.runtime.deadline import contained
@@ -133,7 +133,10 @@ def numerics_of(config: RunConfig) -> contextlib.AbstractContextManager[Any]:
 
 def build_model(model_fn: ModelFn, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = model_fn()
+    try:
+        model = model_fn()
+    except (Exception, SystemExit) as exc:
+        raise from_user_code(exc, "the model factory") from exc
     if not isinstance(model, nn.Module):
         raise InputError(f"the model factory returned {type(model).__name__}, not an nn.Module")
     return model
