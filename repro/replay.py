@@ -215,6 +215,9 @@ def check_configs(bundle: Bundle) -> None:
         name, config = check["name"], check.get("config")
         fields = _FIELDS[name]
         if isinstance(config, dict):
+            for key in _REQUIRED.get(name, ()):
+                if key not in config:
+                    raise InputError(f"{bundle.path}: checks[{i}].config.{key}: missing (a {name} needs it)")
             for key, value in config.items():
                 where = f"checks[{i}].config.{key}"
                 if key not in fields:
@@ -384,6 +387,10 @@ def _fields() -> dict[str, dict[str, Any]]:
             "loss": _one_of(*LOSSES),
         },
     }
+
+
+#: Fields a check cannot run without (the others have defaults).
+_REQUIRED = {"gradcheck": ("model",)}
 
 
 class _LazyFields(dict):  # type: ignore[type-arg]
