@@ -29,7 +29,7 @@ import torch
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
-from gpudiag.render.jsonout import number as _number
+from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.faults import check_fires, for_devices, parse_fault
 from gpudiag.runtime.run import ModelFn
@@ -92,7 +92,7 @@ class NancheckReport:
                     "device": o.devices[0],
                     "status": o.status,
                     "first_bad_step": o.first_bad_step,
-                    "losses": [_number(x) for x in o.losses],
+                    **losses_json(o.losses),
                     "error": o.error,
                 }
                 for o in self.singles
@@ -105,7 +105,7 @@ class NancheckReport:
                     "status": o.status,
                     "first_bad_step": o.first_bad_step,
                     "first_bad_transfer": o.first_bad_transfer,
-                    "losses": [_number(x) for x in o.losses],
+                    **losses_json(o.losses),
                     "error": o.error,
                 }
                 for o in self.pairs

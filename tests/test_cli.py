@@ -223,7 +223,37 @@ def test_machine_takes_a_capture_or_a_machine_file_and_bundled_examples_by_name(
     command: str, machine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # not the repository: the examples come with the package
-    extra = {"topology": [], "nancheck": ["--pairs", "0-1", "--steps", "2"], "peer": ["--pairs", "0-1"]}[command]
+    extra = {"topology": [], "nancheck": ["--pairs", "0-1", "--steps", "2"], "peer": ["--pairs", "0-1"]}[
+        command
+    ]
     result = CliRunner().invoke(cli, [command, "--machine", machine, *extra, "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["schema"].startswith("gpudiag.")
+
+
+def test_piped_text_is_never_cut_and_colour_follows_no_color_and_force_color(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+
+    from rich.table import Table
+
+    from gpudiag.render.text import text_console
+
+    def printed(**env: str) -> str:
+        for name in ("NO_COLOR", "FORCE_COLOR"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        stream = io.StringIO()  # not a terminal, as when piped
+        with text_console(stream) as out:
+            table = Table("name", "value")
+            table.add_row("[red]x[/red]", "y" * 400)
+            out.print(table)
+        return stream.getvalue()
+
+    plain = printed()
+    assert "y" * 400 in plain and "\x1b[" not in plain  # whole, no colour
+    forced = printed(FORCE_COLOR="1")
+    assert "\x1b[" in forced and "y" * 400 in forced
+    assert "\x1b[" not in printed(FORCE_COLOR="1", NO_COLOR="1")

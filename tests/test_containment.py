@@ -156,7 +156,9 @@ def test_a_users_mistake_is_exit_2_naming_the_spec(spec: str, words: str, tmp_pa
     if spec == "EMBEDDING":
         path = tmp_path / "tokens.py"
         path.write_text(
-            "from torch import nn\n\ndef make():\n    return nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 3))\n"
+            "from torch import nn\n\n"
+            "def make():\n"
+            "    return nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 3))\n"
         )
         spec = f"{path}:make"
     for command in (["gradcheck"], ["nancheck", "--machine", "seed_8gpu_topo.txt", "--pairs", "0-1"]):

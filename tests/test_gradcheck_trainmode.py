@@ -233,7 +233,7 @@ class OnlyFullBatches(nn.Module):
         (lambda: check(models.flat_mlp, inputs=[X]), "inputs must be a tensor, a tuple or a dict"),
         (lambda: check(models.flat_mlp, targets=Y[:5]), "targets must be a tensor of 8 rows"),
         (lambda: check(models.flat_mlp, inputs=torch.tensor(1.0)), "batch dimension"),
-        (lambda: check(OnlyFullBatches, strategies=("single", "dp")), "the model under dp .DataParallel runs"),
+        (lambda: check(OnlyFullBatches, strategies=("single", "dp")), "the model under dp .DataParallel"),
     ],
 )
 def test_bad_api_input_is_an_input_error(call: Callable[[], object], message: str) -> None:

@@ -12,6 +12,16 @@ def number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+def losses(values: list[float]) -> dict[str, Any]:
+    """A per-step list of losses for JSON: numbers, ``null`` where the loss was not finite
+    (so every element of ``losses`` is a number or null), and those steps apart with
+    what they held: ``{"losses": [0.7, null], "nonfinite": [{"step": 2, "value": "nan"}]}``."""
+    return {
+        "losses": [x if math.isfinite(x) else None for x in values],
+        "nonfinite": [{"step": i, "value": str(x)} for i, x in enumerate(values, 1) if not math.isfinite(x)],
+    }
+
+
 def write(document: dict[str, Any], stream: TextIO) -> None:
     json.dump(document, stream, indent=2, ensure_ascii=False)
     stream.write("\n")

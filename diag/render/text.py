@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from typing import Any, TextIO
 
 from gpudiag.topology.model import GpuPair, link_rank, path_of
@@ -24,21 +25,31 @@ SOURCE_NAME = {
 }
 
 
+#: The width of text that is not going to a terminal: wide enough that no table cell is
+#: ever cut (tables size to their content; nothing here expands to the full width).
+PIPED_WIDTH = 10_000
+
+
 class text_console:
     """A rich console for ``stream``: colour and the terminal's width on a terminal;
-    when piped, plain text 200 columns wide (tables are never squeezed) with trailing
-    blanks removed, so output is stable for scripts and golden files."""
+    when piped, plain text with nothing cut or wrapped (:data:`PIPED_WIDTH`) and
+    trailing blanks removed, so output is stable for scripts and golden files.
+    ``NO_COLOR`` (any value) turns colour off, ``FORCE_COLOR`` (any value) on even when
+    piped (https://no-color.org, https://force-color.org); NO_COLOR wins."""
 
     def __init__(self, stream: TextIO):
         from rich.console import Console
 
         self.stream = stream
         self.is_tty = hasattr(stream, "isatty") and stream.isatty()
+        no_color = bool(os.environ.get("NO_COLOR"))
+        colour = not no_color and (self.is_tty or bool(os.environ.get("FORCE_COLOR")))
         self.buffer = io.StringIO()
         self.console = Console(
             file=stream if self.is_tty else self.buffer,
-            force_terminal=None if self.is_tty else False,
-            width=None if self.is_tty else 200,
+            force_terminal=self.is_tty or colour,
+            no_color=not colour,
+            width=None if self.is_tty else PIPED_WIDTH,
             highlight=False,
             emoji=False,
             soft_wrap=not self.is_tty,
