@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
-from gpudiag.findings import Finding
+from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
@@ -69,6 +69,9 @@ class NancheckReport:
     findings: list[Finding]
     topology: Topology | None
     config: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return short_repr(self, self.verdict, self.findings, singles=len(self.singles), pairs=len(self.pairs))
 
     def exit_code(self) -> int:
         return 0 if self.verdict == "pass" else 1

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gpudiag.errors import InputError
-from gpudiag.findings import Finding
+from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.hw.host import HostFacts, Runner, collect
 from gpudiag.runtime import DeviceSet, RankFailure
@@ -79,6 +79,9 @@ class PeerReport:
     host: HostFacts
     skipped: list[str]
     findings: list[Finding]
+
+    def __repr__(self) -> str:
+        return short_repr(self, self.verdict, self.findings, directions=len(self.pairs))
 
     def exit_code(self) -> int:
         return 1 if self.verdict == "fail" else 0

@@ -1,16 +1,42 @@
 """gpudiag: diagnostics and reproducible bug reports for multi-GPU PyTorch training.
 
 Importing this package is cheap and touches no hardware: neither torch nor pynvml is
-imported here (``tests/test_import_hygiene.py`` enforces it).
+imported here (``tests/test_import_hygiene.py`` enforces it). The Python API below is
+imported on first use (torch with it, where it needs torch):
+
+- ``topology_report(from_file=None, machine=None)`` — ``gpudiag topology``;
+- ``gradcheck(factory, inputs, targets, ...)`` / ``gradcheck_spec("torchvision:resnet18", ...)``
+  — ``gpudiag gradcheck``;
+- ``nancheck(factory, inputs, targets, machine=...)`` — ``gpudiag nancheck``;
+- ``peer(machine=None, pairs="all")`` — ``gpudiag peer``;
+- ``inspect_checkpoint(path)`` / ``convert_checkpoint(src, dst, ...)`` — ``gpudiag ckpt``;
+- ``doctor(machine=None)`` — the checks ``gpudiag doctor`` runs, as a report (no bundle).
 """
 
 __version__ = "0.1.0"
 
+#: name → (module, attribute) of the public API, imported when first used.
+_API = {
+    "topology_report": ("gpudiag.topology.sources", "topology_report"),
+    "gradcheck": ("gpudiag.checks.gradcheck", "gradcheck"),
+    "gradcheck_spec": ("gpudiag.checks.gradcheck", "gradcheck_spec"),
+    "nancheck": ("gpudiag.checks.nancheck", "nancheck"),
+    "peer": ("gpudiag.checks.peer", "peer"),
+    "inspect_checkpoint": ("gpudiag.repro.checkpoint", "inspect"),
+    "convert_checkpoint": ("gpudiag.repro.checkpoint", "convert"),
+    "doctor": ("gpudiag.repro.report", "doctor"),
+}
+__all__ = ["__version__", *_API]
+
 
 def __getattr__(name: str) -> object:
-    """``gpudiag.gradcheck``: the Python API, imported (with torch) on first use."""
-    if name == "gradcheck":
-        from gpudiag.checks.gradcheck import gradcheck
+    if name in _API:
+        import importlib
 
-        return gradcheck
+        module, attribute = _API[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'gpudiag' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

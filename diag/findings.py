@@ -47,3 +47,14 @@ class Finding:
             cause=data.get("cause"),
             fix=data.get("fix"),
         )
+
+
+def short_repr(result: object, verdict: str, findings: list[Finding], **counts: int) -> str:
+    """A result's repr in one short line — its class, verdict, counts and finding codes —
+    instead of the dataclass default that prints every tensor and record it holds:
+    ``<GradcheckReport explained · comparisons 4 · batchnorm-per-replica>``."""
+    parts = [f"{type(result).__name__} {verdict}", *(f"{name} {n}" for name, n in counts.items())]
+    codes = list(dict.fromkeys(f.code for f in findings))
+    if codes:
+        parts.append(", ".join(codes[:5]) + (f" and {len(codes) - 5} more" if len(codes) > 5 else ""))
+    return "<" + " · ".join(parts) + ">"

@@ -257,3 +257,15 @@ def test_piped_text_is_never_cut_and_colour_follows_no_color_and_force_color(
     forced = printed(FORCE_COLOR="1")
     assert "\x1b[" in forced and "y" * 400 in forced
     assert "\x1b[" not in printed(FORCE_COLOR="1", NO_COLOR="1")
+
+
+def test_under_torchrun_only_rank_0_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    printed = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        result = run("topology", "--from-file", SEED, "--format", "json")
+        assert result.exit_code == 0
+        printed[rank] = result.stdout
+    assert json.loads(printed["0"])["schema"] == "gpudiag.topology/1" and printed["1"] == ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpudiag.findings import Finding
+from gpudiag.findings import Finding, short_repr
 from gpudiag.render.jsonout import number as _number
 from gpudiag.runtime.record import Recorder
 
@@ -96,6 +96,9 @@ class GradcheckReport:
     numerics: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: what train mode switches on in the model (trainmode.probe), as JSON
     train_mode: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return short_repr(self, self.verdict, self.findings, comparisons=len(self.comparisons))
 
     def summary(self) -> str:
         """One line per comparison and finding, for assertion messages and logs."""

@@ -8,6 +8,7 @@ renderer, and only when it runs.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, TextIO
 
 FORMATS = {
@@ -26,8 +27,20 @@ _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "d
 
 
 def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
-    """Write ``result`` of command ``kind`` to ``stream`` in format ``fmt``."""
+    """Write ``result`` of command ``kind`` to ``stream`` in format ``fmt``.
+
+    Under torchrun only rank 0 writes: every rank holds the same gathered result, and
+    ``--nproc-per-node 8`` should print one report, not eight."""
     if fmt not in FORMATS.get(kind, ()):
         raise ValueError(f"no {fmt} renderer for {kind}")
+    if not first_rank():
+        return
     module = importlib.import_module(f"gpudiag.render.{_MODULES[fmt]}")
     getattr(module, kind)(result, stream)
+
+
+def first_rank() -> bool:
+    """False in a process torchrun started as a rank other than 0 (``RANK`` with
+    ``WORLD_SIZE`` and ``MASTER_ADDR``, as :func:`gpudiag.runtime.launch.torchrun_env`)."""
+    env = os.environ
+    return not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) or env["RANK"].strip() == "0"

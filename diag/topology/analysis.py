@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.findings import Finding
+from gpudiag.findings import Finding, short_repr
 from gpudiag.topology.model import (
     P2P_STATUS,
     GpuPair,
@@ -54,6 +54,9 @@ class TopologyReport:
     topology: Topology
     pairs: list[GpuPair]
     findings: list[Finding]
+
+    def __repr__(self) -> str:
+        return short_repr(self, self.topology.source, self.findings, gpus=len(self.topology.gpus))
 
     @property
     def warnings(self) -> list[Finding]:

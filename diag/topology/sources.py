@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpudiag.errors import InputError
 from gpudiag.hw.machine import MachineFileError, from_json
@@ -86,3 +87,11 @@ def read_machine_or_capture(path: str) -> Topology:
             raise MachineFileError(f"{path}: not valid JSON ({exc})") from exc
         return from_json(data, path)
     return parse_capture(text, name)
+
+
+def topology_report(from_file: str | None = None, machine: str | None = None) -> Any:
+    """``gpudiag topology`` as a function: the topology from a capture, a machine file or
+    NVML, its pairs ranked and its findings (a :class:`~gpudiag.topology.analysis.TopologyReport`)."""
+    from gpudiag.topology.analysis import analyze
+
+    return analyze(read_topology(from_file=from_file, machine=machine))

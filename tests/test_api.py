@@ -1,0 +1,41 @@
+"""The public Python API: listed in ``__all__`` and ``dir(gpudiag)``, imported on first
+use, and results whose repr is one short line."""
+
+from __future__ import annotations
+
+import gpudiag
+from tests import models
+
+
+def test_the_api_is_listed_and_every_name_resolves() -> None:
+    assert set(gpudiag.__all__) == {
+        "__version__",
+        "topology_report",
+        "gradcheck",
+        "gradcheck_spec",
+        "nancheck",
+        "peer",
+        "inspect_checkpoint",
+        "convert_checkpoint",
+        "doctor",
+    }
+    assert dir(gpudiag) == sorted(gpudiag.__all__)
+    for name in gpudiag.__all__:
+        assert getattr(gpudiag, name) is not None
+
+
+def test_results_have_short_reprs() -> None:
+    topology = gpudiag.topology_report(machine="seed_8gpu_machine.json")
+    nancheck = gpudiag.nancheck(
+        models.mlp, *models.batch(8), machine=topology.topology, pairs="0-1", steps=2, inject=["0->1:nan"]
+    )
+    x, y = models.batch(8)
+    check = gpudiag.gradcheck(models.mlp, x, y, strategies=("single", "dp"))
+    peer = gpudiag.peer(machine=topology.topology, pairs="0-1", sizes=(4096,))
+    for result, start in (
+        (topology, "<TopologyReport machine-file · gpus 8"),
+        (nancheck, "<NancheckReport fail · singles 2 · pairs 1 · link-corruption"),
+        (check, "<GradcheckReport pass · comparisons 1>"),
+        (peer, "<PeerReport pass · directions 2"),
+    ):
+        assert repr(result).startswith(start) and len(repr(result)) < 200, repr(result)
