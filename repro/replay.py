@@ -13,9 +13,9 @@ checked field by field (:func:`check_configs`: wrong types, unknown fields, size
 :data:`LIMITS` are an :class:`~gpudiag.errors.InputError` naming the field). Code the
 bundle names — a ``--model`` that is a Python file or module — runs only with
 ``trust=True`` (``--trust-bundle``); without it that check is skipped and the reason says
-what would run. gpudiag's built-in models and torchvision architectures (without
-pretrained weights, which would be downloaded) are gpudiag's or torchvision's code, not
-the bundle's, and run.
+what would run. gpudiag's built-in models and torchvision architectures are gpudiag's or
+torchvision's code, not the bundle's, and run (trained weights, which would be
+downloaded, are refused as bad input).
 """
 
 from __future__ import annotations
@@ -135,26 +135,17 @@ def _untrusted_reason(what: str) -> str:
 
 def bundle_code(config: dict[str, Any]) -> str | None:
     """What code outside gpudiag and torchvision ``config`` would run (its ``--model``), in
-    words; None when it runs only gpudiag's built-in models or a torchvision architecture
-    without pretrained weights."""
+    words; None when it runs only gpudiag's built-in models or a torchvision architecture."""
     from gpudiag.models import BUILTINS
 
     spec = config.get("model")
     if not isinstance(spec, str):
         return None
-    text, _, query = spec.partition("?")
+    text = spec.partition("?")[0]
     if text in BUILTINS:
         return None
     if text.startswith("torchvision:"):
-        weights = [
-            key
-            for key, _, value in (part.partition("=") for part in query.split("&"))
-            if ("weight" in key.lower() or "pretrained" in key.lower())
-            and value.strip().lower() not in ("", "none", "false", "0")
-        ]
-        if not weights:
-            return None
-        return f"--model {spec!r} downloads pretrained weights ({', '.join(weights)}) and loads them"
+        return None  # (trained weights, which would be downloaded, are refused by check_configs)
     target, _, attr = text.rpartition(":")
     if target.endswith(".py") or "/" in target:
         return f"--model {spec!r} would run the Python file {target} and call {attr}()"
@@ -339,8 +330,19 @@ def _model(value: Any) -> str | None:
 
     if not isinstance(value, str) or not value or len(value) > 1000:
         return f"{_describe(value)} is not a model spec"
-    text = value.partition("?")[0]
-    if text in BUILTINS or text.startswith("torchvision:"):
+    text, _, query = value.partition("?")
+    if text.startswith("torchvision:"):
+        pairs = [part.partition("=") for part in query.split("&")]
+        trained = [
+            key
+            for key, _, raw in pairs
+            if key.strip() in ("weights", "weights_backbone", "pretrained")
+            and raw.strip().lower() not in ("none", "false")
+        ]
+        if trained:
+            return f"{_describe(value)} asks for trained weights, which gpudiag never downloads"
+        return None
+    if text in BUILTINS:
         return None
     target, sep, attr = text.rpartition(":")
     if not sep or not target or not attr.isidentifier():

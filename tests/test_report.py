@@ -614,6 +614,7 @@ def test_replay_rejects_fields_of_the_wrong_type(tmp_path: Path) -> None:
         "checks[0].config.timeout: unknown field of gradcheck": [gradcheck_entry(timeout=1e9)],
         "checks[0].config.world_size: 100000 is out of range": [gradcheck_entry(world_size=100_000)],
         "checks[0].config.model: missing": [{**gradcheck_entry(), "config": {"world_size": 2}}],
+        "asks for trained weights": [gradcheck_entry(model="torchvision:resnet18?weights=DEFAULT")],
         "checks[0].config.machine_file: unknown field": [
             {**nancheck, "config": {"machine_file": "/etc/passwd"}}
         ],
