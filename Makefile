@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py \
+TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py diag/progress.py \
           diag/runtime/numerics.py diag/runtime/launch.py diag/runtime/rank_process.py \
           diag/runtime/batch.py diag/runtime/deadline.py checks/gradcheck
 

@@ -29,6 +29,7 @@ import torch
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
+from gpudiag.progress import note
 from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.faults import check_fires, for_devices, parse_fault
@@ -277,13 +278,15 @@ def nancheck(
 def _run(model_factory: Any, inputs: Any, targets: Any, config: RunConfig) -> RunResult:
     """One training run; the user's model failing in this process is an error naming the
     run (exit 2; 3 for memory or disk space), a failing rank a :class:`RankFailure`."""
+    devices = config.devices.ids[:1] if config.strategy == "single" else config.devices.ids
+    note(f"nancheck: {config.strategy} on {'+'.join(f'GPU{d}' for d in devices)}")
     try:
         return run(model_factory, inputs, targets, config)
     except (RankFailure, GpudiagError):
         raise
     except (Exception, SystemExit) as exc:
-        devices = ",".join(map(str, config.devices.ids))
-        raise from_user_code(exc, f"the model under {config.strategy} on device {devices}") from exc
+        where = f"the model under {config.strategy} on device {','.join(map(str, devices))}"
+        raise from_user_code(exc, where) from exc
 
 
 def _confirm_and_fix(machine: Topology | None) -> tuple[str, str]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from gpudiag.errors import from_user_code
+from gpudiag.progress import note
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.ddp import forks, start_ddp
 from gpudiag.runtime.run import ModelFn
@@ -96,6 +97,7 @@ class Schedule:
                 if between is not None:
                     between({n: r for n, r in out.items() if isinstance(r, RunResult)})
             if launch:
+                note(f"gradcheck: {', '.join(j.name for j in shared)} ({len(self.base.devices.ids)} ranks)")
                 started = early or stack.enter_context(start_ddp(launch, self.inputs, self.targets))
                 try:
                     for job, result in zip(shared, started.results(), strict=True):
@@ -110,6 +112,7 @@ class Schedule:
         return out
 
     def _one(self, job: Job) -> RunResult | RankFailure:
+        note(f"gradcheck: {job.name}")
         try:
             return run(
                 job.factory,
