@@ -24,6 +24,7 @@ can cross the end of a string: what was valid JSON stays valid JSON.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import itertools
 import json
@@ -169,13 +170,19 @@ class Redactor:
         """A JSON-like structure with every string (keys included) passed through :meth:`text`;
         a string under a key that names a secret (``"HF_TOKEN": "…"``) or after an option
         that does (``["--api-key", "…"]``) gets the marker. Numbers, booleans and null stay."""
+        return self._walk(value, {})
+
+    def _walk(self, value: Any, seen: dict[str, str]) -> Any:
+        """:meth:`data`, scrubbing each distinct string once (traces repeat theirs)."""
         if isinstance(value, str):
-            return self.text(value)
+            if value not in seen:
+                seen[value] = self.text(value)
+            return seen[value]
         if isinstance(value, Mapping):
             return {
-                self.text(str(k)): MARK
+                self._walk(str(k), seen): MARK
                 if isinstance(v, str) and v and isinstance(k, str) and _is_secret_key(k)
-                else self.data(v)
+                else self._walk(v, seen)
                 for k, v in value.items()
             }
         if isinstance(value, (list, tuple)):
@@ -183,7 +190,7 @@ class Redactor:
             for i, v in enumerate(value):
                 before = value[i - 1] if i else None
                 secret = isinstance(before, str) and _is_secret_flag(before)
-                out.append(MARK if secret and isinstance(v, str) and v else self.data(v))
+                out.append(MARK if secret and isinstance(v, str) and v else self._walk(v, seen))
             return out
         return value
 
@@ -200,10 +207,12 @@ class Redactor:
         return self.text(text).encode("utf-8", "surrogateescape")
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_secret_key(key: str) -> bool:
     return bool(_NAME.fullmatch(key)) and is_secret_name(key)
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_secret_flag(word: str) -> bool:
     """``--api-key``, ``-token``: an option whose value (the next word) is a secret."""
     return word.startswith("-") and bool(_NAME.fullmatch(word.lstrip("-"))) and is_secret_name(word)
