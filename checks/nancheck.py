@@ -415,10 +415,13 @@ def nancheck_spec(
     batch_size: int = 8,
     machine_file: str | None = None,
     machine: Topology | None = None,
+    input_dtype: str = "float",
+    input_range: tuple[float, float] | None = None,
     **options: Any,
 ) -> NancheckReport:
-    """``gpudiag nancheck``: resolve the model and machine (a machine file, or an already
-    loaded ``machine``), make the batch, sweep."""
+    """``gpudiag nancheck``: resolve the model and machine (a machine file or capture, or
+    an already loaded ``machine``), make the batch (see :func:`gpudiag.models.random_inputs`),
+    sweep."""
     from gpudiag.models import random_batch, resolve_model
     from gpudiag.topology.sources import read_machine_or_capture
 
@@ -426,11 +429,14 @@ def nancheck_spec(
         machine = read_machine_or_capture(machine_file)
     with naming_model(model):
         factory = resolve_model(model, input_shape, num_classes)
+        seed = options.get("seed", 0)
         inputs, targets = random_batch(
-            factory, batch_size, input_shape, num_classes, "ce", options.get("seed", 0)
+            factory, batch_size, input_shape, num_classes, "ce", seed, None, input_dtype, input_range
         )
         report = nancheck(factory, inputs, targets, machine=machine, **options)
     report.config.update(
         {"model": model, "input_shape": list(input_shape), "batch_size": batch_size, "machine": machine_file}
     )
+    if input_dtype != "float" or input_range is not None:
+        report.config.update(input_dtype=input_dtype, input_range=input_range and list(input_range))
     return report

@@ -145,10 +145,13 @@ def plan(
     model: str | None = None,
     inject: tuple[str, ...] = (),
     pairs: str = "all",
+    inputs: dict[str, Any] | None = None,
 ) -> list[tuple[str, dict[str, Any] | None, str]]:
     """``(check, config, why skipped)`` for each wanted check (default: all); config None
     means it cannot run here and ``why`` says why and what would make it run. ``pairs``
-    limits peer and nancheck to some GPU pairs (``0-1,5-6``)."""
+    limits peer and nancheck to some GPU pairs (``0-1,5-6``); ``inputs`` (``input_shape``,
+    ``input_dtype``, ``input_range``) replace the defaults of gradcheck's and nancheck's batch."""
+    inputs = {k: v for k, v in (inputs or {}).items() if v is not None}
     virtual = here.machine is not None
     out: list[tuple[str, dict[str, Any] | None, str]] = []
     for name in names or CHECKS:
@@ -166,12 +169,12 @@ def plan(
         elif name == "peer":
             config = {"machine": MACHINE_FILE if virtual else None, "pairs": pairs, "inject": list(inject)}
         elif name == "gradcheck":
-            config = {**DEFAULT_GRADCHECK, "inject": list(inject)}
+            config = {**DEFAULT_GRADCHECK, **inputs, "inject": list(inject)}
             if model:
                 config["model"] = model
         elif name == "nancheck":
             if virtual or here.cuda_gpus >= 1:
-                config = {**DEFAULT_NANCHECK, "machine": MACHINE_FILE if virtual else None}
+                config = {**DEFAULT_NANCHECK, **inputs, "machine": MACHINE_FILE if virtual else None}
                 config.update({"inject": list(inject), "pairs": pairs})
                 if model:
                     config["model"] = model

@@ -9,21 +9,34 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from typing import Any
 
 import click
 
 from gpudiag import __version__
-from gpudiag.errors import EXIT_PROBLEM, GpudiagError
+from gpudiag.errors import (
+    EXIT_PROBLEM,
+    GpudiagError,
+    Interrupted,
+    from_user_code,
+    is_out_of_memory,
+    is_out_of_space,
+)
 
 
 class GpudiagGroup(click.Group):
-    """Turns :class:`GpudiagError` into a one-line message and its exit code."""
+    """Turns :class:`GpudiagError` into a one-line message and its exit code; what the
+    user's code did that escaped a check (``sys.exit``, running out of memory or disk)
+    into the same; an interruption into one line and ``128 + signal``."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except Interrupted as exc:
+            click.echo(f"gpudiag: interrupted by {signal.Signals(exc.signum).name}; stopped", err=True)
+            ctx.exit(exc.exit_code)
         except GpudiagError as exc:
             if (ctx.obj or {}).get("debug"):
                 raise
@@ -34,9 +47,17 @@ class GpudiagGroup(click.Group):
         except BrokenPipeError:
             sys.stderr.close()
             ctx.exit(EXIT_PROBLEM)
+        except SystemExit as exc:  # (click's own exits are click.exceptions.Exit)
+            error = from_user_code(exc, "code gpudiag ran (the model or its factory)")
+            click.echo(f"gpudiag: error: {error}", err=True)
+            ctx.exit(error.exit_code)
         except Exception as exc:
             if (ctx.obj or {}).get("debug"):
                 raise
+            if is_out_of_memory(exc) or is_out_of_space(exc):
+                error = from_user_code(exc, "the run")
+                click.echo(f"gpudiag: error: {error}", err=True)
+                ctx.exit(error.exit_code)
             click.echo(
                 f"gpudiag: internal error: {type(exc).__name__}: {exc} "
                 "(rerun with --debug for the traceback and report it)",
@@ -70,8 +91,17 @@ def _parse_injections(ctx: click.Context, param: click.Parameter, values: tuple[
 
 
 def runtime_options(command: Any) -> Any:
-    """``--inject SPEC`` (repeatable) and ``--trace FILE`` for every command that runs the
+    """``--inject SPEC`` (repeatable), ``--trace FILE`` and ``--timeout`` for every command that runs the
     instrumented runtime (grammar: ``docs/runtime.md``)."""
+    command = click.option(
+        "--timeout",
+        default=300.0,
+        show_default=True,
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        help="Deadline for each phase (the reference, each strategy, the ranks): what is still "
+        "running then is stopped and named.",
+    )(command)
     command = click.option(
         "--trace",
         metavar="FILE",
@@ -85,6 +115,15 @@ def runtime_options(command: Any) -> Any:
         callback=_parse_injections,
         help="Inject a fault: SRC->DST:KIND[@STEP][xCOUNT], KIND nan|inf|zero|bitflip|scale=F (repeatable).",
     )(command)
+
+
+def _check_trace(trace: str | None) -> None:
+    """Refuse a --trace path gpudiag may not write (a FIFO, a device, a link, a folder)
+    before anything runs. An earlier trace file is replaced."""
+    if trace:
+        from gpudiag.fileio import check_target
+
+        check_target(trace, force=True)
 
 
 @click.group(cls=GpudiagGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -106,7 +145,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option(
     "--machine",
     metavar="FILE",
-    help="Read a machine file (as written by --save-machine).",
+    help="Read a machine file (as --save-machine writes) or a capture; bundled examples by name.",
 )
 @click.option(
     "--save-machine",
@@ -137,15 +176,45 @@ def topology(
 def _dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
     """``3,32,32`` → (3, 32, 32), parsed without importing torch (``--help`` and bad
     arguments answer at once)."""
-    try:
-        dims = tuple(int(d) for d in value.split(","))
-    except ValueError:
-        dims = ()
+    parts = [d.strip() for d in value.split(",")]
+    dims = tuple(int(d) for d in parts) if all(d.isascii() and d.isdigit() for d in parts) else ()
     if not dims or any(d < 1 for d in dims):
         raise click.BadParameter(
             f"bad shape {value!r}: expected positive integers like 3,32,32", ctx=ctx, param=param
         )
     return dims
+
+
+def _input_range(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> tuple[float, float] | None:
+    """``0,30522`` → (0.0, 30522.0); checked against --input-dtype when the batch is made."""
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    try:
+        lo, hi = (float(p) for p in parts)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected LO,HI, e.g. 0,30522") from None
+    return lo, hi
+
+
+def input_options(command: Any) -> Any:
+    """``--input-dtype`` and ``--input-range``: generated inputs for models that take no
+    float image (token ids: ``--input-dtype long --input-range 0,30522``)."""
+    command = click.option(
+        "--input-range",
+        callback=_input_range,
+        metavar="LO,HI",
+        help="Draw inputs from [LO, HI): uniform floats, or integers for long/int (default: normal floats).",
+    )(command)
+    return click.option(
+        "--input-dtype",
+        type=click.Choice(["float", "long", "int"]),
+        default="float",
+        show_default=True,
+        help="Generated inputs' dtype (long/int need --input-range).",
+    )(command)
 
 
 def _output_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | str | None:
@@ -180,6 +249,7 @@ def _strategies(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     metavar="DIMS",
     help="One sample's shape, without the batch dimension.",
 )
+@input_options
 @click.option(
     "--num-classes", default=10, show_default=True, type=click.IntRange(1), help="Classes for ce losses."
 )
@@ -239,8 +309,11 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
     Exit 0 for pass or explained (1 with --strict), 1 for fail.
     """
     from gpudiag.checks.gradcheck import gradcheck_spec
+    from gpudiag.progress import shown
 
-    report = gradcheck_spec(**options)
+    _check_trace(trace)
+    with shown():
+        report = gradcheck_spec(**options)
     from gpudiag.render import render
     from gpudiag.runtime.record import write_trace
 
@@ -258,6 +331,7 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 )
 @click.option("--model", default="mlp", show_default=True, metavar="SPEC", help="As for gradcheck.")
 @click.option("--input-shape", default="3,32,32", show_default=True, callback=_dims, metavar="DIMS")
+@input_options
 @click.option("--num-classes", default=10, show_default=True, type=click.IntRange(1))
 @click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--lr", default=0.01, show_default=True, type=float)
@@ -266,7 +340,7 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
     "--machine",
     "machine_file",
     metavar="FILE",
-    help="Run on CPU virtual devices laid out like this machine file (no GPU needed).",
+    help="Run on CPU virtual devices laid out like this machine file or capture (no GPU needed).",
 )
 @runtime_options
 @format_option(("text", "json", "markdown"))
@@ -278,11 +352,14 @@ def nancheck(ctx: click.Context, fmt: str, trace: str | None, **options: Any) ->
     device-fault, a numeric-divergence or a loss-explosion. Exit 0 pass, 1 fail.
     """
     from gpudiag.checks.nancheck import nancheck_spec
+    from gpudiag.progress import shown
     from gpudiag.render import render
     from gpudiag.runtime.record import write_trace
 
+    _check_trace(trace)
     options["inject"] = tuple(options["inject"])
-    report = nancheck_spec(**options)
+    with shown():
+        report = nancheck_spec(**options)
     if trace:
         write_trace(trace, report.recorders, force=True)
     render("nancheck", report, fmt, sys.stdout)
@@ -295,7 +372,10 @@ def nancheck(ctx: click.Context, fmt: str, trace: str | None, **options: Any) ->
     "--sizes", metavar="4K,1M,…", help="Copy sizes (default 4K..256M on GPUs, 4K..1M on virtual devices)."
 )
 @click.option(
-    "--machine", "machine_file", metavar="FILE", help="Run on CPU virtual devices laid out like this machine."
+    "--machine",
+    "machine_file",
+    metavar="FILE",
+    help="Run on CPU virtual devices laid out like this machine file or capture (no GPU needed).",
 )
 @click.option(
     "--inject",
@@ -320,10 +400,10 @@ def peer(
     """
     from gpudiag.checks.peer import parse_sizes
     from gpudiag.checks.peer import peer as run_peer
-    from gpudiag.hw.machine import load_machine
     from gpudiag.render import render
+    from gpudiag.topology.sources import read_machine_or_capture
 
-    machine = load_machine(machine_file) if machine_file else None
+    machine = read_machine_or_capture(machine_file) if machine_file else None
     report = run_peer(
         machine=machine, pairs=pairs, sizes=parse_sizes(sizes) if sizes else None, inject=inject
     )
@@ -437,6 +517,13 @@ def suite_options(command: Any) -> Any:
         ),
         click.option("--model", metavar="SPEC", help="Model for gradcheck and nancheck (default: mlp)."),
         click.option(
+            "--input-shape",
+            callback=lambda ctx, param, value: None if value is None else _dims(ctx, param, value),
+            metavar="DIMS",
+            help="One sample's shape for gradcheck and nancheck (default: 3,32,32).",
+        ),
+        input_options,
+        click.option(
             "--pairs",
             default="all",
             show_default=True,
@@ -476,16 +563,21 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     import datetime
 
     from gpudiag.checks.suite import CHECKS, Here
-    from gpudiag.models import resolve_model
+    from gpudiag.models import check_input_range, resolve_model
     from gpudiag.render import render
     from gpudiag.repro.redact import Redactor
     from gpudiag.repro.report import check_destination, run_report, write_bundle
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    bundle = not options.get("no_bundle")
+    if not bundle and options["output"]:
+        raise click.UsageError("--no-bundle and --output contradict each other: choose one")
     output = options["output"] or f"gpudiag-report-{stamp}"
-    check_destination(output, options["force"])
+    if bundle:
+        check_destination(output, options["force"])
     if options["model"]:
         resolve_model(options["model"])
+    check_input_range(options["input_dtype"], options["input_range"])
     here = Here.detect(options["machine"])
     if options["pairs"] != "all" and here.gpus:  # without GPUs no check uses pairs
         from gpudiag.checks.nancheck import parse_pairs
@@ -501,9 +593,15 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
         anonymize=options["anonymize"],
         progress=_progress(len(names)),
         argv=["gpudiag", *sys.argv[1:]],
+        inputs={
+            "input_shape": None if options["input_shape"] is None else list(options["input_shape"]),
+            "input_dtype": None if options["input_dtype"] == "float" else options["input_dtype"],
+            "input_range": None if options["input_range"] is None else list(options["input_range"]),
+        },
     )
-    redactor = Redactor(anonymize=options["anonymize"])
-    report.bundle_path = str(write_bundle(report, output, redactor=redactor, force=options["force"]))
+    if bundle:
+        redactor = Redactor(anonymize=options["anonymize"])
+        report.bundle_path = str(write_bundle(report, output, redactor=redactor, force=options["force"]))
     render(kind, report, options["fmt"], sys.stdout)
     return report
 
@@ -523,6 +621,7 @@ def report(ctx: click.Context, **options: Any) -> None:
 
 @cli.command()
 @suite_options
+@click.option("--no-bundle", is_flag=True, help="Only the summary: write no report bundle.")
 @click.pass_context
 def doctor(ctx: click.Context, **options: Any) -> None:
     """Start here: find what this machine has, run every check that applies, summarise.
@@ -537,21 +636,44 @@ def doctor(ctx: click.Context, **options: Any) -> None:
 
 @cli.command()
 @click.argument("bundle")
+@click.option(
+    "--trust-bundle",
+    is_flag=True,
+    help="Also run code the bundle names (a --model that is a Python file or module). "
+    "Without it such checks are skipped and the reason says what would run.",
+)
 @format_option(("text", "json", "markdown"))
 @click.pass_context
-def replay(ctx: click.Context, bundle: str, fmt: str) -> None:
+def replay(ctx: click.Context, bundle: str, trust_bundle: bool, fmt: str) -> None:
     """Re-run a bundle's checks here and compare with what the reporter saw.
 
-    Exit 0 when the results match, 1 when they differ, 2 for a damaged bundle or one from
-    a newer gpudiag.
+    Built-in models and torchvision architectures run; a model that is code the bundle
+    names runs only with --trust-bundle. A check that cannot run here is skipped with the
+    reason. Exit 0 when the results match, 1 when they differ, 2 for a damaged, oversized
+    or malformed bundle or one from a newer gpudiag.
     """
     from gpudiag.render import render
     from gpudiag.repro.replay import replay as run_replay
     from gpudiag.repro.report import read_bundle
 
-    result = run_replay(read_bundle(bundle))
+    result = run_replay(read_bundle(bundle), trust=trust_bundle)
     render("replay", result, fmt, sys.stdout)
     ctx.exit(result.exit_code())
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so the command
+    unwinds: ranks are terminated and reaped, temporary files and folders removed, one
+    line printed, exit 130 / 143. Signals arriving while it unwinds are ignored (every
+    cleanup step is bounded)."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, interrupt)
 
 
 def main() -> None:
@@ -565,9 +687,13 @@ def main() -> None:
     --input-shape 3,8,8` three times each: 2.48 / 2.33 / 2.27 s with ``os._exit`` against
     3.07 / 3.12 / 3.15 s leaving normally.
     """
+    stop_on_signals()
     try:
         cli(prog_name="gpudiag")
         code = 0
+    except Interrupted as exc:  # (arrived outside a command, e.g. while parsing)
+        print(f"gpudiag: interrupted by {signal.Signals(exc.signum).name}; stopped", file=sys.stderr)
+        code = exc.exit_code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):

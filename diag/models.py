@@ -205,6 +205,48 @@ def _builtin(name: str, input_shape: tuple[int, ...], classes: int) -> nn.Module
     return nn.Sequential(*layers)
 
 
+#: ``--input-dtype``: the dtype of generated inputs (``long`` for token ids).
+INPUT_DTYPES = {"float": torch.float32, "long": torch.int64, "int": torch.int32}
+
+
+def check_input_range(dtype: str, value_range: tuple[float, float] | None) -> None:
+    """Refuse a dtype/range pair that cannot make inputs (exit 2), before anything runs."""
+    if dtype not in INPUT_DTYPES:
+        raise InputError(f"--input-dtype {dtype!r}: expected one of {', '.join(INPUT_DTYPES)}")
+    if value_range is None:
+        if dtype != "float":
+            raise InputError(
+                f"--input-dtype {dtype} needs --input-range LO,HI: the values to draw from "
+                "(e.g. 0,30522 for token ids of a 30522-word vocabulary)"
+            )
+        return
+    lo, hi = value_range
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise InputError(f"--input-range {lo:g},{hi:g}: expected finite LO < HI")
+    if dtype != "float" and (lo != int(lo) or hi != int(hi) or hi - lo < 1):
+        raise InputError(f"--input-range {lo:g},{hi:g}: integer inputs need whole numbers LO < HI")
+
+
+def random_inputs(
+    generator: torch.Generator,
+    batch_size: int,
+    input_shape: tuple[int, ...],
+    dtype: str = "float",
+    value_range: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """Inputs of ``(batch_size, *input_shape)``: standard normal floats by default; with
+    ``value_range`` (LO, HI), floats uniform in [LO, HI) or integers LO ≤ x < HI
+    (``torch.randint``) for the integer dtypes."""
+    check_input_range(dtype, value_range)
+    shape = (batch_size, *input_shape)
+    if value_range is None:
+        return torch.randn(*shape, generator=generator)
+    lo, hi = value_range
+    if dtype == "float":
+        return torch.rand(*shape, generator=generator) * (hi - lo) + lo
+    return torch.randint(int(lo), int(hi), shape, generator=generator, dtype=INPUT_DTYPES[dtype])
+
+
 def random_batch(
     factory: Any,
     batch_size: int,
@@ -213,12 +255,15 @@ def random_batch(
     loss: str,
     seed: int = 0,
     output: int | str | None = None,
+    input_dtype: str = "float",
+    input_range: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded random batch: inputs of ``(batch_size, *input_shape)`` and targets — class
-    indices below ``num_classes`` for ``ce`` losses, standard-normal values shaped like the
-    model's output for ``mse`` losses (read from one forward pass in eval mode)."""
+    """A seeded random batch: inputs of ``(batch_size, *input_shape)`` (see
+    :func:`random_inputs`) and targets — class indices below ``num_classes`` for ``ce``
+    losses, standard-normal values shaped like the model's output for ``mse`` losses
+    (read from one forward pass in eval mode)."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(batch_size, *input_shape, generator=generator)
+    inputs = random_inputs(generator, batch_size, input_shape, input_dtype, input_range)
     if loss.startswith("ce"):
         return inputs, torch.randint(0, num_classes, (batch_size,), generator=generator)
     torch.manual_seed(seed)

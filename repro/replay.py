@@ -353,6 +353,15 @@ def _model(value: Any) -> str | None:
     return None
 
 
+def _input_range(value: Any) -> str | None:
+    """None (standard normal inputs) or [LO, HI] with finite LO < HI."""
+    if value is None:
+        return None
+    numbers = isinstance(value, list) and len(value) == 2
+    numbers = numbers and all(type(v) in (int, float) and math.isfinite(v) for v in value)
+    return None if numbers and value[0] < value[1] else f"{_describe(value)} is not [LO, HI] with LO < HI"
+
+
 def _fields() -> dict[str, dict[str, Any]]:
     from gpudiag.runtime.run import LOSSES
 
@@ -365,6 +374,8 @@ def _fields() -> dict[str, dict[str, Any]]:
         "lr": _number,
         "seed": _integer(0, 2**63 - 1),
         "inject": _inject,
+        "input_dtype": _one_of("float", "long", "int"),
+        "input_range": _input_range,
     }
     return {
         "env": {},

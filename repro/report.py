@@ -33,7 +33,7 @@ from typing import Any
 from gpudiag import __version__
 from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, plan, run_check
 from gpudiag.errors import InputError
-from gpudiag.fileio import check_target
+from gpudiag.fileio import check_target, temporary_folder
 from gpudiag.repro.redact import Redactor
 
 SCHEMA = "gpudiag.report/1"
@@ -122,6 +122,7 @@ def run_report(
     anonymize: bool = False,
     progress: Progress | None = None,
     argv: list[str] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> Report:
     """Run each planned check (recording rank logs and traces) and collect the results."""
     from gpudiag.runtime.launch import rank_logs
@@ -129,7 +130,7 @@ def run_report(
     runs: list[CheckRun] = []
     files: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="gpudiag-report-") as scratch:
-        for name, config, why in plan(here, names, model=model, inject=inject, pairs=pairs):
+        for name, config, why in plan(here, names, model=model, inject=inject, pairs=pairs, inputs=inputs):
             if progress is not None:
                 progress(name, "start", None)
             with rank_logs(Path(scratch) / name) as logs:
@@ -173,9 +174,34 @@ def bundle_files(report: Report) -> dict[str, bytes]:
 
 
 def check_destination(path: str | os.PathLike[str], force: bool) -> Path:
-    """Refuse a bundle path that exists (unless ``force``) or whose folder does not:
-    before any check runs, not after. A ``.zip`` path is a file, any other a folder."""
-    return check_target(path, force=force, folder=Path(path).suffix != ".zip")
+    """Refuse a bundle path that exists (unless ``force`` and it is an earlier bundle) or
+    whose folder does not: before any check runs, not after. A ``.zip`` path is a file,
+    any other a folder."""
+    return check_target(path, force=force, folder=Path(path).suffix != ".zip", replaceable=not_a_bundle)
+
+
+def not_a_bundle(path: Path) -> str | None:
+    """None when ``path`` is a bundle gpudiag wrote (its ``report.json`` — the bundle's
+    manifest — names a ``gpudiag.report/`` schema), else why it is not one."""
+    limit = 64 << 20
+    try:
+        if path.is_dir():
+            manifest = path / "report.json"
+            if manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > limit:
+                return "not a gpudiag bundle (no report.json)"
+            data = manifest.read_bytes()
+        else:
+            with zipfile.ZipFile(path) as archive:
+                info = archive.getinfo("report.json")
+                if info.file_size > limit:
+                    return "not a gpudiag bundle (report.json too large)"
+                data = archive.read(info)
+        schema = json.loads(data).get("schema")
+    except (OSError, KeyError, ValueError, AttributeError, zipfile.BadZipFile, EOFError):
+        return "not a gpudiag bundle (no readable report.json)"
+    if not (isinstance(schema, str) and schema.startswith("gpudiag.report/")):
+        return "not a gpudiag bundle (report.json has no gpudiag schema)"
+    return None
 
 
 def write_bundle(
@@ -191,7 +217,7 @@ def write_bundle(
             for name, data in sorted(files.items()):
                 archive.writestr(_zip_info(name, name == "repro.py"), data)
         return target
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    staging = temporary_folder(target)
     try:
         for name, data in files.items():
             dest = staging / name
@@ -201,7 +227,7 @@ def write_bundle(
                 dest.chmod(0o755)
         staging.chmod(0o755)
         if target.exists():  # force: move the old bundle aside only once the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            old = temporary_folder(target, ".old")
             os.replace(target, old / "bundle")
             os.replace(staging, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -429,3 +455,20 @@ def _json(data: bytes, name: str, bundle: str) -> Any:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InputError(f"{bundle}: {name} is damaged ({exc})") from exc
+
+
+def doctor(
+    machine: str | None = None,
+    checks: list[str] | tuple[str, ...] | None = None,
+    *,
+    model: str | None = None,
+    pairs: str = "all",
+    inject: tuple[str, ...] = (),
+    inputs: dict[str, Any] | None = None,
+) -> Report:
+    """The checks ``gpudiag doctor`` runs, as a :class:`Report` (no bundle is written;
+    :func:`write_bundle` writes one). ``machine``: a capture or machine file to lay virtual
+    devices out like; ``checks``: names from :data:`gpudiag.checks.suite.CHECKS`; ``inputs``:
+    see :func:`gpudiag.checks.suite.plan`."""
+    here = Here.detect(machine)
+    return run_report(here, checks, model=model, inject=tuple(inject), pairs=pairs, inputs=inputs)

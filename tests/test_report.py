@@ -122,11 +122,14 @@ def test_repro_script_needs_only_torch_and_shows_the_problem(seed_bundle: Path, 
     pair = next(p for p in nancheck["result"]["pairs"] if (p["a"], p["b"]) == (0, 1))
     alone = next(s for s in nancheck["result"]["singles"] if s["device"] == 0)
 
-    def printed(losses: list[float | str]) -> str:
+    def printed(run: dict) -> str:  # (JSON: null where a loss was not finite, its value apart)
+        losses = list(run["losses"])
+        for bad in run["nonfinite"]:
+            losses[bad["step"] - 1] = bad["value"]
         return "[" + ", ".join(f"{float(x):.4g}" for x in losses) + "]"
 
-    assert f"GPU 0 alone (cpu): losses {printed(alone['losses'])}" in done.stdout
-    assert f"(dp): losses {printed(pair['losses'])}" in done.stdout
+    assert f"GPU 0 alone (cpu): losses {printed(alone)}" in done.stdout
+    assert f"(dp): losses {printed(pair)}" in done.stdout
     # The same script with the fault made harmless (× 1.0) finds nothing: the check can fail.
     assert script.count("'kind': 'nan'") >= 2
     (tmp_path / "healthy.py").write_text(script.replace("'kind': 'nan'", "'kind': 'scale'"))

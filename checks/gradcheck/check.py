@@ -473,9 +473,12 @@ def gradcheck_spec(
     num_classes: int = 10,
     batch_size: int = 8,
     loss: str = "ce",
+    input_dtype: str = "float",
+    input_range: tuple[float, float] | None = None,
     **options: Any,
 ) -> GradcheckReport:
-    """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch, compare."""
+    """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch (``input_dtype``
+    and ``input_range``: see :func:`gpudiag.models.random_inputs`), compare."""
     from gpudiag.models import random_batch, resolve_model
 
     options["inject"] = tuple(options.get("inject", ()))
@@ -483,7 +486,11 @@ def gradcheck_spec(
     seed = options.get("seed", 0)
     output = options.get("output")
     describe = {"model": model, "input_shape": list(input_shape), "num_classes": num_classes}
+    if input_dtype != "float" or input_range is not None:
+        describe.update(input_dtype=input_dtype, input_range=input_range and list(input_range))
     with naming_model(model):
         factory = resolve_model(model, input_shape, num_classes)
-        inputs, targets = random_batch(factory, batch_size, input_shape, num_classes, loss, seed, output)
+        inputs, targets = random_batch(
+            factory, batch_size, input_shape, num_classes, loss, seed, output, input_dtype, input_range
+        )
         return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)

@@ -1,0 +1,87 @@
+"""Generated inputs for any model from the CLI: ``--input-dtype`` and ``--input-range``
+(token ids for an embedding model), on gradcheck, nancheck, report and doctor, carried in
+the bundle so replay makes the same batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gpudiag.cli import cli
+from gpudiag.models import random_inputs
+
+TOKENS = """from torch import nn
+
+def make():
+    return nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 3))
+"""
+
+
+@pytest.fixture
+def token_model(tmp_path: Path) -> str:
+    path = tmp_path / "tokens.py"
+    path.write_text(TOKENS)
+    return f"{path}:make"
+
+
+def test_random_inputs_follow_dtype_and_range() -> None:
+    ids = random_inputs(torch.Generator().manual_seed(0), 64, (5,), "long", (3, 7))
+    assert ids.dtype == torch.int64 and ids.min() >= 3 and ids.max() < 7
+    floats = random_inputs(torch.Generator().manual_seed(0), 64, (5,), "float", (-2.0, -1.0))
+    assert floats.dtype == torch.float32 and floats.min() >= -2 and floats.max() < -1
+    default = random_inputs(torch.Generator().manual_seed(0), 8, (3,))
+    assert torch.equal(default, torch.randn(8, 3, generator=torch.Generator().manual_seed(0)))
+
+
+def test_a_token_model_is_checked_from_the_cli(token_model: str) -> None:
+    args = ["--model", token_model, "--input-shape", "4", "--num-classes", "3"]
+    result = CliRunner().invoke(cli, ["gradcheck", *args, "--format", "json"])
+    assert result.exit_code == 2 and "raised" in result.output  # floats into an embedding
+    tokens = ["--input-dtype", "long", "--input-range", "0,100"]
+    result = CliRunner().invoke(cli, ["gradcheck", *args, *tokens, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"]["input_dtype"] == "long"
+    machine = ["--machine", "seed_8gpu_topo.txt", "--pairs", "0-1", "--steps", "2"]
+    result = CliRunner().invoke(cli, ["nancheck", *args, *tokens, *machine])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--input-dtype", "long"], "needs --input-range"),
+        (["--input-dtype", "long", "--input-range", "0,0.5"], "whole numbers"),
+        (["--input-range", "5,1"], "LO < HI"),
+        (["--input-range", "nope"], "expected LO,HI"),
+    ],
+)
+def test_bad_input_options_are_exit_2(extra: list[str], words: str) -> None:
+    for command in (["gradcheck", "--model", "mlp"], ["doctor", "--no-bundle", "--checks", "gradcheck"]):
+        result = CliRunner().invoke(cli, [*command, *extra])
+        assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_report_carries_the_inputs_and_replay_makes_the_same_batch(token_model: str, tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    options = [
+        "--input-shape",
+        "4",
+        "--input-dtype",
+        "long",
+        "--input-range",
+        "0,100",
+        "--checks",
+        "gradcheck",
+    ]
+    result = CliRunner().invoke(cli, ["report", "--model", token_model, *options, "-o", str(bundle)])
+    assert result.exit_code == 1  # 3 outputs, 10 classes by default: the model's own error
+    config = json.loads((bundle / "report.json").read_text())["checks"][0]["config"]
+    assert (
+        config["input_dtype"] == "long" and config["input_range"] == [0, 100] and config["input_shape"] == [4]
+    )
+    replayed = CliRunner().invoke(cli, ["replay", str(bundle), "--trust-bundle", "--format", "json"])
+    assert replayed.exit_code == 0, replayed.output

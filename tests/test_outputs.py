@@ -1,0 +1,177 @@
+"""gpudiag writes only regular files and folders it created: what every output option
+refuses (FIFOs, sockets, device nodes, symbolic links, a user's folder, the current
+folder), and the temporaries a killed run leaves, removed by the next run."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpudiag.cli import cli
+from gpudiag.fileio import atomic_write, remove_stale_temporaries, temporary_prefix
+from tests.conftest import TOPO
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args))
+    assert "Traceback" not in result.output and "internal error" not in result.output, result.output
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def capture_file() -> str:
+    return str(TOPO / "seed_8gpu_nv4_pairs_node_sys.txt")
+
+
+@pytest.fixture(params=["fifo", "socket", "symlink", "dangling symlink", "device node"])
+def special(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A path that is not a regular file, and the words the refusal uses for it."""
+    path = tmp_path / "target"
+    kind = request.param
+    if kind == "fifo":
+        os.mkfifo(path)
+        yield path, "FIFO"
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path))
+            yield path, "socket"
+    elif kind in ("symlink", "dangling symlink"):
+        aim = tmp_path / "aim.json"
+        if kind == "symlink":
+            aim.write_text("precious")
+        path.symlink_to(aim)
+        yield path, "symbolic link"
+        assert aim.read_text() == "precious" if kind == "symlink" else not aim.exists()
+    else:
+        try:
+            os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # what /dev/null is
+        except PermissionError:
+            pytest.skip("creating a device node needs root")
+        yield path, "device node"
+
+
+def _same_kind(path: Path, before: os.stat_result) -> bool:
+    after = os.lstat(path)
+    return stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode) and after.st_ino == before.st_ino
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_output_options_refuse_what_is_not_a_regular_file(
+    special: tuple[Path, str], force: bool, capture_file: str, tmp_path: Path
+) -> None:
+    path, words = special
+    before = os.lstat(path)
+    extra = ["--force"] if force else []
+    for args in (
+        ["topology", "--from-file", capture_file, "--save-machine", str(path), *extra],
+        ["gradcheck", "--model", "mlp", "--input-shape", "4", "--strategies", "single", "--trace", str(path)],
+        ["report", "--checks", "env", "-o", f"{path}", *extra],
+    ):
+        code, output = run(*args)
+        assert code == 2 and words in output, (args, output)
+        assert _same_kind(path, before)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("aim")) == ["target"]
+
+
+def test_checkpoint_convert_refuses_a_fifo_even_with_force(tmp_path: Path) -> None:
+    import torch
+
+    source = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, source)
+    fifo = tmp_path / "out.pt"
+    os.mkfifo(fifo)
+    code, output = run("ckpt", "convert", str(source), str(fifo), "--force")
+    assert code == 2 and "FIFO" in output
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "out.pt"]
+
+
+def test_force_replaces_an_earlier_bundle_but_not_a_users_folder(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("mine")
+    code, output = run("report", "--checks", "env", "-o", str(project), "--force")
+    assert code == 2 and "not a gpudiag bundle" in output
+    assert sorted(p.name for p in project.iterdir()) == ["train.py"]
+    # a folder with a report.json that is not gpudiag's is not a bundle either
+    (project / "report.json").write_text('{"schema": "someone-else/1"}')
+    code, output = run("report", "--checks", "env", "-o", str(project), "--force")
+    assert code == 2 and "not a gpudiag bundle" in output
+
+    bundle = tmp_path / "bundle"
+    assert run("report", "--checks", "env", "-o", str(bundle))[0] == 0
+    (bundle / "stale.txt").write_text("from the earlier bundle")
+    assert run("report", "--checks", "env", "-o", str(bundle), "--force")[0] == 0
+    assert (bundle / "report.json").exists() and not (bundle / "stale.txt").exists()
+    zipped = tmp_path / "b.zip"
+    assert run("report", "--checks", "env", "-o", str(zipped))[0] == 0
+    assert run("report", "--checks", "env", "-o", str(zipped), "--force")[0] == 0
+    (tmp_path / "other.zip").write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip, not a bundle
+    code, output = run("report", "--checks", "env", "-o", str(tmp_path / "other.zip"), "--force")
+    assert code == 2 and "not a gpudiag bundle" in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.zip", "bundle", "other.zip", "project"]
+
+
+@pytest.mark.parametrize("where", [".", "..", "parent"])
+def test_force_never_replaces_the_current_folder_or_a_parent(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "report.json").write_text('{"schema": "gpudiag.report/1", "checks": []}')  # looks like a bundle
+    monkeypatch.chdir(work)
+    target = {".": ".", "..": "..", "parent": str(tmp_path)}[where]
+    code, output = run("report", "--checks", "env", "-o", target, "--force")
+    assert code == 2, output
+    assert sorted(p.name for p in work.iterdir()) == ["report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]  # no ..XXXX.old/ left
+
+
+def test_a_stale_temporary_of_a_killed_run_is_removed_by_the_next(tmp_path: Path) -> None:
+    target = tmp_path / "machine.json"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    stale_file = tmp_path / f".machine.json.gpudiag-{dead_pid}-abc123.tmp"
+    stale_file.write_bytes(b"half a file")
+    stale_folder = tmp_path / f".machine.json.gpudiag-{dead_pid}-def456.tmp"
+    stale_folder.mkdir()
+    (stale_folder / "x").write_text("staged")
+    live = tmp_path / f".machine.json.gpudiag-{os.getppid()}-ghi789.tmp"  # a running process's
+    live.write_bytes(b"in progress")
+    mine = tmp_path / f"{temporary_prefix(target)}jkl.tmp"
+    mine.write_bytes(b"mine")
+    other = tmp_path / ".machine.json.notgpudiag.tmp"
+    other.write_bytes(b"someone else's")
+    atomic_write(target, "{}")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(["machine.json", live.name, mine.name, other.name])
+    assert remove_stale_temporaries(target) == []
+
+
+def test_a_failed_write_leaves_no_temporary(tmp_path: Path) -> None:
+    from gpudiag.fileio import atomic_output
+
+    target = tmp_path / "out.bin"
+    with pytest.raises(KeyboardInterrupt), atomic_output(target) as out:
+        out.write(b"partial")
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_doctor_no_bundle_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, output = run("doctor", "--no-bundle", "--checks", "env")
+    assert code == 0 and "env" in output and "Bundle:" not in output
+    assert list(tmp_path.iterdir()) == []
+    code, output = run("doctor", "--no-bundle", "-o", "x")
+    assert code == 2 and "contradict" in output
