@@ -148,7 +148,18 @@ class Redactor:
         return self.text(value)
 
     def text(self, text: str) -> str:
-        """``text`` with every secret (and, anonymizing, identity) replaced."""
+        """``text`` with every secret (and, anonymizing, identity) replaced. Idempotent:
+        passes repeat until one changes nothing (a replaced address can make the host name
+        after it a whole word), so redacting redacted text changes nothing."""
+        for _ in range(_MAX_PASSES):
+            out = self._pass(text)
+            if out == text:
+                break
+            text = out
+        return text
+
+    def _pass(self, text: str) -> str:
+        """One pass of every pattern over ``text``."""
         if self._literal is not None:
             text = self._literal.sub(lambda m: self._marks[m.group(0)], text)
         text = _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{URL_MARK}@", text)
@@ -238,31 +249,55 @@ def _layout(data: bytes) -> tuple[int | None, str]:
 #: A variable, key or option name: ``HF_TOKEN``, ``api-key``, ``auth.token``.
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
 #: ``NAME=value`` / ``NAME: value`` / ``export NAME=value`` / ``--name=value`` /
-#: ``Authorization: Basic xyz`` for secret-looking names in text. A value stops at a quote
-#: so it cannot run past the end of a quoted string.
+#: ``"name": "value"`` / ``Authorization: Basic xyz`` for secret-looking names in text. A
+#: quoted value runs to its closing quote (or the line's end when it has none); a bare one
+#: stops at a quote so it cannot run past the end of a quoted string.
 _ASSIGNMENT = re.compile(
-    r"(?<![\w.])(?P<name>[A-Za-z_][\w.-]*)(?P<sep>[ \t]*[=:][ \t]*)(?P<value><redacted[^>]*>"
+    r"(?<![\w.])(?P<quote>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=quote)(?P<sep>[ \t]*[=:][ \t]*)"
+    r"(?P<value><redacted[^>]*>"
     r"|(?:[Bb]earer|[Bb]asic|[Tt]oken|Digest)[ \t]+(?:<redacted[^>]*>|[^\s\"']+)"
-    r"|\"[^\"]*\"|'[^']*'|[^\s\"']+)"
+    r"|\"[^\"]*\"|'[^']*'|\"[^\"\n]*|'[^'\n]*|[^\s\"']+)"
 )
 #: ``--name value`` on a command line, for secret-looking option names.
 _FLAG = re.compile(
     r"(?<![\w-])(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value><redacted[^>]*>|[^\s\"'<-][^\s\"']*)"
 )
+#: Passes of :meth:`Redactor.text` at most (two suffice for every input seen).
+_MAX_PASSES = 4
 
 
 def _assignments(text: str) -> str:
-    def sub(match: re.Match[str]) -> str:
-        if not is_secret_name(match.group("name")) or "<redacted" in match.group("value"):
-            return match.group(0)
-        return f"{match.group('name')}{match.group('sep')}{MARK}"
+    """Values of secret-named assignments and options replaced by the marker (a quoted
+    value keeps its quotes). A name that is not secret does not hide what follows it: the
+    scan goes on after the name, so ``cfg: HF_TOKEN=…`` and ``x="MY_TOKEN=…"`` are caught."""
+    out: list[str] = []
+    done = pos = 0
+    while (match := _ASSIGNMENT.search(text, pos)) is not None:
+        value = match.group("value")
+        nested = _ASSIGNMENT.match(text, match.start("value"))
+        if not _secret_name(match.group("name")) or (nested and _secret_name(nested.group("name"))):
+            pos = match.end("name")  # not secret, or a label before the real one (``secret: token: x``)
+            continue
+        pos = match.end()
+        if "<redacted" in value:
+            continue
+        quote = value[0] if value[0] in "\"'" else ""
+        closed = quote if len(value) > 1 and value.endswith(quote) else ""
+        out += [text[done : match.start("value")], f"{quote}{MARK}{closed}"]
+        done = pos
+    text = "".join(out) + text[done:]
 
     def flag(match: re.Match[str]) -> str:
-        if not is_secret_name(match.group("flag")) or "<redacted" in match.group("value"):
+        if not _secret_name(match.group("flag")) or "<redacted" in match.group("value"):
             return match.group(0)
         return f"{match.group('flag')}{match.group('sep')}{MARK}"
 
-    return _FLAG.sub(flag, _ASSIGNMENT.sub(sub, text))
+    return _FLAG.sub(flag, text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _secret_name(name: str) -> bool:
+    return is_secret_name(name)
 
 
 def _hostname() -> str:

@@ -350,3 +350,98 @@ def test_redacted_json_is_still_json(document: object, indent: int | None) -> No
         assert type(back) is type(document) and len(back) <= len(document)
         for secret in ("pw1234", "alice", "10.0.0.1", "k3y-value", "abcdefghijkl"):
             assert secret not in out.decode(), secret
+
+
+#: This machine's ``lscpu`` vulnerability lines (issue 17: "bypass: Vulnerable" was redacted).
+LSCPU_VULNERABILITIES = """\
+Vulnerability Itlb multihit:             Not affected
+Vulnerability Spec rstack overflow:      Vulnerable: Safe RET, no microcode
+Vulnerability Spec store bypass:         Vulnerable
+Vulnerability Spec store bypass: Mitigation; Speculative Store Bypass disabled via prctl
+Vulnerability Spectre v1:                Mitigation; usercopy/swapgs barriers and __user pointer sanitization
+Vulnerability Spectre v2:                Mitigation; Retpolines; IBPB: conditional; RSB filling
+Vulnerability Tsx async abort:           Not affected"""
+INNOCENT = [
+    *LSCPU_VULNERABILITIES.splitlines(),
+    "loading tokenizer from /models/bert (tokenizer.json)",
+    "TOKENIZERS_PARALLELISM=false max_tokens=512 max_new_tokens: 64",
+    "nsswitch: using the passwd file /etc/passwd; compass=north bypass=0 keyboard: us",
+    "PWD=/work session_length=30 auth_mode: none passthrough: 1",
+]
+
+
+def test_innocent_lines_stay_and_secrets_in_every_spelling_go() -> None:
+    """Issue 17: secrets, not substrings of words; a name that is not secret (``cfg:``,
+    ``x=``) must not hide the secret assignment after it."""
+    r = Redactor({"NCCL_DEBUG": "INFO"})
+    for line in INNOCENT:
+        assert r.text(line) == line, line
+    planted = {
+        "cfg: HF_TOKEN=planted-1a2b3c": "cfg: HF_TOKEN=<redacted: set>",
+        "x=MY_TOKEN=planted-2b3c4d": "x=MY_TOKEN=<redacted: set>",
+        'args="DB_PASSWORD=planted-3c4d5e" next': 'args="DB_PASSWORD=<redacted: set>" next',
+        'log {"password": "planted 4d5e6f", "n": 1}': 'log {"password": "<redacted: set>", "n": 1}',
+        "secret: token: planted-5e6f7a": "secret: token: <redacted: set>",
+        "export API_KEY='planted 6f7a8b'": f"export API_KEY='{MARK}'",
+        'PASSWD="planted-7a8b9c': f'PASSWD="{MARK}',
+        "opts:--api-key=planted-8b9c0d": f"opts:--api-key={MARK}",
+    }
+    for line, expected in planted.items():
+        assert r.text(line) == expected, line
+    text = "\n".join([*INNOCENT, *planted])
+    out = r.text(text)
+    assert "planted" not in out and out.splitlines()[: len(INNOCENT)] == INNOCENT
+
+
+_SECRET_FRAGMENTS = st.sampled_from(
+    [
+        "MY_TOKEN",
+        "HF_TOKEN",
+        "--api-key",
+        "password",
+        "max_tokens",
+        "bypass",
+        "x",
+        "=",
+        ": ",
+        ":",
+        " ",
+        "\n",
+        "'",
+        '"',
+        "{",
+        "<redacted: set>",
+        " set>",
+        "<redacted>",
+        "tok-0123456789",
+        "Bearer abcdefghijkl",
+        "https://u:pw1234@h/x",
+        "10.0.0.1",
+        "gpu-box-3",
+        "alice",
+        "/home/alice",
+        "GPU-8c1f3a7e-1d2b-4c3d-9e8f-0a1b2c3d4e5f",
+    ]
+)
+_SECRET_TEXT = st.lists(_SECRET_FRAGMENTS, max_size=10).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_SECRET_TEXT, anonymize=st.booleans())
+@example(text="MY_TOKEN=<redacted: set>", anonymize=False)
+@example(text="MY_TOKEN=tok-0123456789 MY_TOKEN: <redacted: set> set>", anonymize=False)
+@example(text="10.0.0.1gpu-box-3", anonymize=True)  # the address went first, then the host
+@example(text="alice::--api-key=x", anonymize=True)
+def test_redaction_is_idempotent(text: str, anonymize: bool) -> None:
+    """Issue 17: redacting redacted text changes nothing — text, bytes and JSON."""
+    r = Redactor({"MY_TOKEN": "tok-0123456789"}, anonymize=anonymize, hostname="gpu-box-3.lab", user="alice")
+    once = r.text(text)
+    assert r.text(once) == once
+    assert "tok-0123456789" not in once and "pw1234" not in once
+    data = text.encode()
+    assert r.bytes(r.bytes(data)) == r.bytes(data)
+    for document in ({"env": text, text: [text, "--api-key", text]}, [text], text):
+        encoded = json.dumps(document, indent=2).encode()
+        redacted = r.bytes(encoded)
+        assert r.bytes(redacted) == redacted
+        assert r.data(r.data(document)) == r.data(document)
