@@ -38,7 +38,7 @@ import torch
 from gpudiag.runtime.ddp import HookState, watch_hook
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.record import Recorder
-from gpudiag.runtime.run import pack, unpack
+from gpudiag.runtime.wire import pack, unpack
 
 KINDS = ("plain", "builtin", "watched")
 #: (model, global batch, image side) per device.

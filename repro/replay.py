@@ -26,6 +26,7 @@ from typing import Any
 
 from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, run_check
 from gpudiag.errors import InputError
+from gpudiag.progress import note
 from gpudiag.repro.report import Bundle
 
 SCHEMA = "gpudiag.replay/1"
@@ -55,8 +56,8 @@ class CheckReplay:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "recorded": {"status": self.recorded.status, "codes": _codes(self.recorded)},
-            "here": None if self.here is None else {"status": self.here.status, "codes": _codes(self.here)},
+            "recorded": _state(self.recorded),
+            "here": None if self.here is None else _state(self.here),
             "compared": self.compared,
             "match": self.match,
             "differences": self.differences,
@@ -70,6 +71,7 @@ class ReplayReport:
     checks: list[CheckReplay]
     environment: list[str]
     trusted: bool = False  # whether code named by the bundle was allowed to run
+    rehearsal: str | None = None  # the bundle's faults were injected (its report.json says so)
 
     @property
     def match(self) -> bool:
@@ -84,6 +86,7 @@ class ReplayReport:
             "bundle": self.bundle,
             "match": self.match,
             "trusted": self.trusted,
+            "rehearsal": self.rehearsal,
             "checks": [c.to_json() for c in self.checks],
             "environment_differences": self.environment,
         }
@@ -113,6 +116,7 @@ def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> 
         elif why is not None:
             now = CheckRun(recorded.name, "skipped", why, recorded.config)
         else:
+            note(f"replay: {recorded.name}")
             now = run_check(recorded.name, recorded.config, here)
         if recorded.name == "env":
             env_here = now
@@ -126,7 +130,9 @@ def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> 
             item.note = _meaning(recorded.status, now.status, item.differences)
         replays.append(item)
     environment = env_differences(bundle.document.get("env"), env_here.result if env_here else None)
-    return ReplayReport(bundle.path, replays, environment, trusted=trust)
+    rehearsal = bundle.document.get("rehearsal")
+    rehearsal = rehearsal if isinstance(rehearsal, str) else None
+    return ReplayReport(bundle.path, replays, environment, trusted=trust, rehearsal=rehearsal)
 
 
 def _untrusted_reason(what: str) -> str:
@@ -363,7 +369,7 @@ def _input_range(value: Any) -> str | None:
 
 
 def _fields() -> dict[str, dict[str, Any]]:
-    from gpudiag.runtime.run import LOSSES
+    from gpudiag.runtime.config import LOSSES
 
     model = {
         "model": _model,
@@ -455,6 +461,10 @@ def _result_problem(name: str, result: dict[str, Any]) -> str | None:
             if name == "peer" and not all(isinstance(c, dict) for c in item.get("copies", [])):
                 return f"{key}[{j}].copies holds something other than objects"
     return None
+
+
+def _state(run: CheckRun) -> dict[str, Any]:
+    return {"status": run.status, "simulated": run.simulated, "codes": _codes(run)}
 
 
 def _codes(run: CheckRun) -> list[str]:

@@ -23,7 +23,7 @@ from gpudiag.checks.gradcheck import Prebuilt, gradcheck
 from gpudiag.errors import InputError
 from gpudiag.models import resolve_model
 from gpudiag.runtime.launch import launch
-from gpudiag.runtime.run import pack, unpack
+from gpudiag.runtime.wire import pack, unpack
 from tests import models
 from tests.test_runtime_ddp import children
 

@@ -180,7 +180,7 @@ def test_launch_returns_bytes_in_rank_order() -> None:
 
 
 def _rank_tensors(rank: int, world: int) -> list[bytes | memoryview]:
-    from gpudiag.runtime.run import pack
+    from gpudiag.runtime.wire import pack
 
     return pack(
         {
@@ -194,7 +194,7 @@ def _rank_tensors(rank: int, world: int) -> list[bytes | memoryview]:
 
 
 def test_packed_tensors_come_back_from_every_rank_bit_for_bit() -> None:
-    from gpudiag.runtime.run import unpack
+    from gpudiag.runtime.wire import unpack
 
     for rank, data in enumerate(launch(_rank_tensors, 2, timeout=30)):
         got = unpack(data)

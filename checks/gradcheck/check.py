@@ -39,11 +39,11 @@ from gpudiag.errors import InputError, from_user_code, naming_model
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
 from gpudiag.runtime.batch import OutputKey, batch_size, split
+from gpudiag.runtime.config import DTYPES, ModelFn
 from gpudiag.runtime.deadline import contained
 from gpudiag.runtime.faults import check_fires
 from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Recorder
-from gpudiag.runtime.run import DTYPES, ModelFn
 
 MODES = ("auto", "as-is", "controlled")
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gpudiag.checks.gradcheck.trainmode import neutralise
-from gpudiag.runtime.run import ModelFn
+from gpudiag.runtime.config import ModelFn
 
 
 class Prebuilt:

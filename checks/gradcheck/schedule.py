@@ -24,8 +24,8 @@ import torch
 from gpudiag.errors import from_user_code
 from gpudiag.progress import note
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
+from gpudiag.runtime.config import ModelFn
 from gpudiag.runtime.ddp import forks, start_ddp
-from gpudiag.runtime.run import ModelFn
 
 
 def default_devices(world_size: int) -> DeviceSet:

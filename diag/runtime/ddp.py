@@ -25,26 +25,15 @@ import torch.distributed as dist
 
 from gpudiag.errors import InputError
 from gpudiag.runtime.batch import call_model, micro_batches, shard
+from gpudiag.runtime.config import ModelFn, RunConfig, RunResult, numerics_of, sync_batchnorm_note
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
 from gpudiag.runtime.launch import Ranks, UnpicklableJob, start, start_method
 from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
-from gpudiag.runtime.run import (
-    ModelFn,
-    RunConfig,
-    RunResult,
-    Stepper,
-    build_model,
-    digest,
-    numerics_of,
-    pack,
-    recorder_from_data,
-    recorder_to_data,
-    sync_batchnorm_note,
-    unpack,
-)
 from gpudiag.runtime.stats import norm_and_nonfinite, norms_and_nonfinite
+from gpudiag.runtime.stepping import Stepper, build_model, digest
+from gpudiag.runtime.wire import pack, recorder_from_data, recorder_to_data, unpack
 
 
 @dataclass

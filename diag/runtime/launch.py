@@ -3,7 +3,7 @@
 ``launch(fn, world_size, ...)`` runs ``fn(rank, world_size, *args)`` once per rank inside
 an initialised ``torch.distributed`` process group and returns the bytes of every rank,
 rank order. ``fn`` returns bytes, or a list of byte chunks to be joined (written one
-after the other, without copying them first: see :func:`gpudiag.runtime.run.pack`).
+after the other, without copying them first: see :func:`gpudiag.runtime.wire.pack`).
 
 - Local launch: one process per rank. ``fork`` when the parent holds no CUDA context and
   runs no other thread (no fresh interpreter, no second torch import: ranks start in
