@@ -1,8 +1,10 @@
 """Renderers: each takes a result object and a text stream.
 
 ``render(kind, result, fmt, stream)`` picks the renderer for a command's result
-(``kind``, e.g. ``"topology"``) and an output format. Rich is imported only by the text
-renderer, and only when it runs.
+(``kind``, e.g. ``"topology"``) and an output format: the function named after the kind in
+the format's module (``text.topology``), or — for a kind listed in :data:`OWN_MODULE` —
+the function named after the format in the kind's own module (``bench.text``). Rich is
+imported only by text renderers, and only when they run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ FORMATS = {
     "replay": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
+#: Kinds whose renderers for every format live in one module of their own.
+OWN_MODULE: dict[str, str] = {}
 
 
 def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
@@ -34,6 +38,9 @@ def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
     if fmt not in FORMATS.get(kind, ()):
         raise ValueError(f"no {fmt} renderer for {kind}")
     if not first_rank():
+        return
+    if kind in OWN_MODULE:
+        getattr(importlib.import_module(OWN_MODULE[kind]), fmt)(result, stream)
         return
     module = importlib.import_module(f"gpudiag.render.{_MODULES[fmt]}")
     getattr(module, kind)(result, stream)
