@@ -337,3 +337,172 @@ def test_pickle_placeholders_round_trip_through_torch(tmp_path: Path) -> None:
     assert isinstance(back["p"], nn.Parameter) and back["h"].dtype == torch.bfloat16
     assert back["s"] == {1, 2} and back["dt"] == torch.float16 and back["b"] == b"x"
     assert pickle.loads(pickle.dumps(back["size"])) == torch.Size([2])
+
+
+# -- shared and tied tensors (issue 16) ----------------------------------------------------------
+
+
+def sharing(tree: object) -> list[tuple[int, int]]:
+    """For each tensor in order: the first that is the same object, the first on the same storage."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(tree)
+    same: dict[int, int] = {}
+    storage: dict[int, int] = {}
+    return [
+        (same.setdefault(id(t), i), storage.setdefault(t.untyped_storage().data_ptr(), i))
+        for i, t in enumerate(tensors)
+    ]
+
+
+def equal_trees(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(equal_trees(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(equal_trees, a, b))
+    return bool(a == b)
+
+
+@st.composite
+def aliased_checkpoints(draw: st.DrawFn) -> tuple[dict, str]:
+    """A checkpoint whose tensors share: one tensor under several keys, views and slices of
+    one storage, tensors again in nested dicts and lists; every state dict key wrapped."""
+    dtype = draw(st.sampled_from([torch.float32, torch.int64, torch.float16]))
+    bases = [torch.arange(draw(st.integers(2, 12))).to(dtype) for _ in range(draw(st.integers(1, 3)))]
+    pool: list[torch.Tensor] = list(bases)
+    for _ in range(draw(st.integers(0, 4))):
+        base = draw(st.sampled_from(bases))
+        start = draw(st.integers(0, base.numel() - 1))
+        stop = draw(st.integers(start + 1, base.numel()))
+        view = base[start:stop]
+        pool.append(view.view(1, -1) if draw(st.booleans()) else view)
+    n = draw(st.integers(1, 8))
+    values = [draw(st.sampled_from(pool)) for _ in range(n)]
+    prefix = draw(st.sampled_from(["", "module.", "_orig_mod.", "_orig_mod.module."]))
+    state = collections.OrderedDict((f"{prefix}layer{i}.weight", v) for i, v in enumerate(values))
+    ckpt = {"model": state, "step": draw(st.integers(0, 9))}
+    if draw(st.booleans()):
+        ckpt["extra"] = [draw(st.sampled_from(pool)), {"again": draw(st.sampled_from(values)), "n": 1}]
+    if draw(st.booleans()):
+        ckpt["ema"] = {f"{prefix}layer{i}.weight": draw(st.sampled_from(pool)) for i in range(n)}
+    return ckpt, prefix
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=aliased_checkpoints(), legacy=st.booleans(), add=st.sampled_from([None, "net."]))
+def test_shared_tensors_convert_and_load_weights_only(
+    tmp_path: Path, case: tuple[dict, str], legacy: bool, add: str | None
+) -> None:
+    ckpt, prefix = case
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save(ckpt, src, _use_new_zipfile_serialization=not legacy)
+    before = torch.load(src, weights_only=True)
+    result = convert(src, dst, force=True, **({"strip": [prefix], "add": add} if add and prefix else {}))
+    assert result.verified
+    after = torch.load(dst, weights_only=True)  # torch itself, not gpudiag's reading of it
+    assert sharing(after) == sharing(before)
+    want = add if add and prefix else ""
+    assert list(after["model"]) == [want + k[len(prefix) :] for k in before["model"]]
+    before["model"] = collections.OrderedDict(zip(after["model"], before["model"].values(), strict=True))
+    if "ema" in before:
+        assert list(after["ema"]) == [want + k[len(prefix) :] for k in before["ema"]]
+        before["ema"] = dict(zip(after["ema"], before["ema"].values(), strict=True))
+    assert equal_trees(after, before)
+
+
+def test_tied_weights_saved_with_keep_vars(tmp_path: Path) -> None:
+    """state_dict(keep_vars=True) of a tied model holds one Parameter under two keys."""
+
+    class TinyLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 4)
+            self.head = nn.Linear(4, 11, bias=False)
+            self.head.weight = self.embed.weight  # tied
+
+    model = nn.DataParallel(TinyLM())
+    opt = torch.optim.Adam(model.parameters())
+    state = model.state_dict(keep_vars=True)
+    assert state["module.embed.weight"] is state["module.head.weight"]
+    torch.save({"model": state, "opt": opt.state_dict()}, tmp_path / "t.pt")
+    result = convert(tmp_path / "t.pt", tmp_path / "o.pt")
+    out = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert result.verified and list(out["model"]) == ["embed.weight", "head.weight"]
+    assert out["model"]["embed.weight"] is out["model"]["head.weight"]
+    assert isinstance(out["model"]["head.weight"], nn.Parameter)
+    TinyLM().load_state_dict(out["model"])
+
+
+def test_verified_only_when_torch_weights_only_loads_it(tmp_path: Path) -> None:
+    """numpy values load with gpudiag's reader but not with torch.load(weights_only=True):
+    the output is written (it is as loadable as the input) but not called verified."""
+    import numpy as np
+
+    torch.save({"model": {"module.w": torch.ones(2)}, "best": np.float64(0.5)}, tmp_path / "n.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "n.pt", weights_only=True)
+    result = convert(tmp_path / "n.pt", tmp_path / "o.pt")
+    assert not result.verified
+    assert any("not verified for torch.load(weights_only=True)" in n and "numpy" in n for n in result.notes)
+    assert torch.load(tmp_path / "o.pt", weights_only=False)["best"] == 0.5
+
+
+def test_empty_add_and_unmatched_strip_are_refused(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"model": nn.DataParallel(small()).state_dict(), "ema": small().state_dict()}, src)
+    run = CliRunner().invoke
+    empty = run(cli, ["ckpt", "convert", str(src), str(out), "--add", ""])
+    assert empty.exit_code == 2 and "--add needs a prefix" in empty.stderr and not out.exists()
+    typo = run(cli, ["ckpt", "convert", str(src), str(out), "--strip", "model."])
+    assert typo.exit_code == 2 and "no key starts with it" in typo.stderr and not out.exists()
+    partial = run(cli, ["ckpt", "convert", str(src), str(out), "--strip", "module.", "--format", "json"])
+    assert partial.exit_code == 0
+    notes = json.loads(partial.output)["notes"]
+    assert any("--strip module.: 0 of" in n and "['ema']" in n and "unchanged" in n for n in notes)
+
+
+def test_to_safetensors_says_what_it_drops(tmp_path: Path) -> None:
+    model = nn.DataParallel(small())
+    opt = train_step(model)
+    ema = {k: v.clone() for k, v in model.state_dict().items()}
+    src, out = tmp_path / "in.pt", tmp_path / "m.safetensors"
+    torch.save({"model": model.state_dict(), "ema": ema, "optimizer": opt.state_dict(), "epoch": 3}, src)
+    run = CliRunner().invoke(
+        cli, ["ckpt", "convert", str(src), str(out), "--to", "safetensors", "--format", "json"]
+    )
+    doc = json.loads(run.output)
+    assert [m["state_dict"] for m in doc["mappings"]] == ["['model']"]  # ['ema'] is not in OUT
+    notes = "\n".join(doc["notes"])
+    n, params = len(ema), len(list(model.parameters()))
+    assert f"OUT has the {n} tensors of ['model']" in notes
+    assert f"'ema' ({n} tensors), 'optimizer' ({params} tensors)" in notes and "without values" in notes
+    assert "dropped from ['model']: its _metadata" in notes
+    assert doc["verified"] and json.loads(Path(doc["sidecar"]).read_text())["epoch"] == 3
+
+
+def test_weights_only_rules_are_within_torchs() -> None:
+    """The globals and opcodes gpudiag's weights-only read accepts are ones torch accepts
+    (torch's private allowlist: this test notices when a torch release narrows it)."""
+    from torch import _weights_only_unpickler as wo
+
+    from gpudiag.repro.checkpoint.pickles import WEIGHTS_ONLY_GLOBALS
+    from gpudiag.repro.checkpoint.unpickle import WEIGHTS_ONLY_OPCODES
+
+    allowed = set(wo._get_allowed_globals())
+    assert {g.replace("__builtin__.", "builtins.") for g in WEIGHTS_ONLY_GLOBALS} <= allowed
+    source = Path(wo.__file__).read_text()
+    for code in WEIGHTS_ONLY_OPCODES:
+        name = next(n for n in dir(pickle) if n.isupper() and getattr(pickle, n) == bytes([code]))
+        assert f"key[0] == {name}[0]" in source or f"{name}[0]" in source, name

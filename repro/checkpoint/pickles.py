@@ -5,9 +5,12 @@ which every tensor is a call ``torch._utils._rebuild_tensor_v2(storage, offset, 
 stride, …)`` whose storage is a *persistent id* naming a record ``<name>/data/<key>`` —
 and the records themselves. :class:`SafeUnpickler` rebuilds the tree with
 :class:`TensorRef` placeholders (dtype, shape, storage key: no bytes read) and refuses
-anything outside a small allowlist of globals, so a malicious pickle never runs code.
-:func:`dumps` writes a tree of placeholders back as the same calls and persistent ids,
-so torch loads the result exactly as it loaded the original.
+anything outside a small allowlist of globals, so a malicious pickle never runs code; its
+work is bounded (:mod:`.unpickle`). :func:`dumps` writes a tree of placeholders back as
+the same calls and persistent ids — an object met twice (a tied weight) as a reference to
+the first, as torch writes it — so torch loads the result exactly as it loaded the
+original. ``loads(…, weights_only=True)`` reads by the rules of
+``torch.load(weights_only=True)``: what it accepts, torch accepts.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import collections
 import io
 import pickle
 import pickletools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.errors import InputError
+from gpudiag.repro.checkpoint.unpickle import BoundedUnpickler, TooComplex, check_tree, one_line
 
 #: torch storage class name → (dtype name, bytes per element).
 STORAGE_TYPES = {
@@ -59,7 +64,7 @@ class UnsafeCheckpoint(InputError):
     arbitrary code. Refused unless the user trusts the file."""
 
     def __init__(self, source: str, names: list[str]):
-        shown = ", ".join(names[:8]) + (" …" if len(names) > 8 else "")
+        shown = ", ".join(one_line(n, 80) for n in names[:8]) + (" …" if len(names) > 8 else "")
         super().__init__(
             f"{source} needs arbitrary pickled objects ({shown}); loading it could run code. If you "
             "trust this file, pass --trust-checkpoint"
@@ -120,6 +125,10 @@ class TensorRef:
     def nbytes(self) -> int:
         return self.numel * self.storage.itemsize
 
+    def tree_parts(self) -> list[Any]:
+        """What a walk of the tree (and the pickler) descends into."""
+        return [self.hooks, *self.extra]
+
 
 @dataclass
 class ParamRef:
@@ -145,6 +154,24 @@ class ParamRef:
     def storage(self) -> StorageRef:
         return self.data.storage
 
+    def tree_parts(self) -> list[Any]:
+        return [self.data, self.hooks]
+
+
+def tensor_refs(tree: Any, path: str = "") -> Iterator[tuple[str, TensorRef]]:
+    """Every tensor placeholder in ``tree`` (a parameter's data) with its path, in order;
+    a tensor met under several paths is given under each."""
+    if isinstance(tree, ParamRef):
+        tree = tree.data
+    if isinstance(tree, TensorRef):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from tensor_refs(v, f"{path}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from tensor_refs(v, f"{path}/{i}")
+
 
 def is_tensor(value: Any) -> bool:
     """A tensor placeholder, or a real tensor (checkpoints loaded by torch itself)."""
@@ -156,6 +183,14 @@ def is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _ints(value: Any, minimum: int | None) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(
+        type(v) is int and (minimum is None or v >= minimum) for v in value
+    ):
+        raise pickle.UnpicklingError("a tensor's size or stride is not a list of integers")
+    return tuple(value)
+
+
 def _rebuild_tensor(
     storage: StorageRef,
     offset: int,
@@ -165,11 +200,22 @@ def _rebuild_tensor(
     hooks: Any = None,
     *extra: Any,
 ) -> TensorRef:
+    """The placeholder for ``torch._utils._rebuild_tensor_v2``, with torch's own checks:
+    a storage, integer offset, size and stride, the view inside the storage."""
+    size, stride = _ints(size, 0), _ints(stride, None)
+    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+        raise pickle.UnpicklingError("a tensor without a storage or with a bad offset")
+    if len(size) != len(stride) or len(extra) > 1 or (extra and not isinstance(extra[0], (dict, type(None)))):
+        raise pickle.UnpicklingError("a tensor with inconsistent shape, stride or metadata")
+    if all(size):  # a tensor with a 0-size dimension reads nothing
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        if min(stride, default=0) < 0 or last >= storage.numel:
+            raise pickle.UnpicklingError("a tensor view runs past the end of its storage")
     return TensorRef(
         storage,
-        int(offset),
-        tuple(size),
-        tuple(stride),
+        offset,
+        size,
+        stride,
         bool(requires_grad),
         collections.OrderedDict() if hooks is None else hooks,
         extra,
@@ -177,6 +223,8 @@ def _rebuild_tensor(
 
 
 def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> ParamRef:
+    if not isinstance(data, TensorRef):
+        raise pickle.UnpicklingError("a parameter without a tensor")
     return ParamRef(data, bool(requires_grad), hooks)
 
 
@@ -235,6 +283,9 @@ class Call:
     func: GlobalRef
     args: tuple[Any, ...]
 
+    def tree_parts(self) -> tuple[Any, ...]:
+        return self.args
+
 
 def _allowed(module: str, name: str) -> Any:
     """The object a safe global stands for, or None."""
@@ -279,41 +330,83 @@ def globals_in(data: bytes) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """Unpickles a checkpoint's object tree with placeholders for tensors; refuses every
-    global outside the allowlist."""
+#: The globals above that ``torch.load(weights_only=True)`` also allows by default.
+WEIGHTS_ONLY_GLOBALS = frozenset(
+    {
+        "collections.OrderedDict",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_parameter",
+        "_codecs.encode",
+        "builtins.set",
+        "builtins.bytearray",
+        "builtins.complex",
+        "__builtin__.set",
+        "__builtin__.bytearray",
+        "__builtin__.complex",
+        "torch.Size",
+        "torch.device",
+        *(f"torch.{n}" for n in STORAGE_TYPES),
+        *(f"torch.{n}" for n in TORCH_NAMES if n not in {"float", "double", "half", "long", "int", "short"}),
+    }
+    - {"torch.cfloat", "torch.cdouble"}
+)
 
-    def __init__(self, data: bytes, source: str):
-        super().__init__(io.BytesIO(data))
-        self.source = source
+
+class SafeUnpickler(BoundedUnpickler):
+    """Unpickles a checkpoint's object tree with placeholders for tensors; refuses every
+    global outside the allowlist (with ``weights_only``, outside torch's); bounded."""
+
+    weighed_types = (tuple, frozenset, Call)
+
+    def __init__(
+        self, data: bytes | io.IOBase, source: str, *, weights_only: bool = False, legacy: bool = False
+    ):
+        super().__init__(data, source, weights_only=weights_only)
         self.data = data
+        self.legacy = legacy  # a legacy (not zip) torch file: storage references carry a 6th item
 
     def find_class(self, module: str, name: str) -> Any:
         found = _allowed(module, name)
-        if found is None:
-            unsafe = [g for g in globals_in(self.data) if _allowed(*g.rsplit(".", 1)) is None]
+        if found is None or (self.weights_only and f"{module}.{name}" not in WEIGHTS_ONLY_GLOBALS):
+            unsafe = []
+            if isinstance(self.data, bytes):
+                unsafe = [g for g in globals_in(self.data) if _allowed(*g.rsplit(".", 1)) is None]
             raise UnsafeCheckpoint(self.source, unsafe or [f"{module}.{name}"])
         return found
 
+    def _check_weights_only_call(self, func: Any) -> None:
+        if isinstance(func, GlobalRef) and func.name not in ("Size", "device"):
+            raise pickle.UnpicklingError(f"a call of torch.{func.name} (torch refuses it)")
+
     def persistent_load(self, pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise InputError(f"{self.source}: unknown storage reference {pid!r:.80}")
-        kind, key, location, numel = pid[1], pid[2], pid[3], pid[4]
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
+            raise InputError(f"{self.source}: unknown storage reference ({type(pid).__name__})")
+        kind, key, location, numel = pid[1:5]
         if not isinstance(kind, GlobalRef) or kind.name not in STORAGE_TYPES:
-            raise InputError(f"{self.source}: unsupported storage type {kind!r:.60}")
-        return StorageRef(kind.name, str(key), str(location), int(numel))
+            raise InputError(f"{self.source}: unsupported storage type ({type(kind).__name__})")
+        if len(pid) == 6 and not self.legacy:
+            raise InputError(f"{self.source}: a legacy storage reference in a zip checkpoint")
+        if not (isinstance(key, str) and isinstance(location, str) and type(numel) is int and numel >= 0):
+            raise InputError(f"{self.source}: damaged storage reference")
+        return StorageRef(kind.name, key, location, numel)
 
 
-def loads(data: bytes, source: str) -> Any:
-    """The object tree of a checkpoint pickle, tensors as :class:`TensorRef`."""
+def loads(data: bytes | io.IOBase, source: str, *, weights_only: bool = False, legacy: bool = False) -> Any:
+    """The object tree of a checkpoint pickle, tensors as :class:`TensorRef`; refused with
+    one line when damaged, unsafe or too complex (its work and its walks are bounded).
+    ``data`` may be a file positioned at a pickle (a legacy torch file holds several)."""
     try:
-        return SafeUnpickler(data, source).load()
+        tree = SafeUnpickler(data, source, weights_only=weights_only, legacy=legacy).load()
     except (UnsafeCheckpoint, InputError):
         raise
+    except RecursionError as exc:
+        raise TooComplex(source, "nested too deep") from exc
     except Exception as exc:
         raise InputError(
-            f"{source}: the checkpoint's pickle is damaged ({type(exc).__name__}: {exc})"
+            f"{source}: the checkpoint's pickle is damaged ({type(exc).__name__}: {one_line(str(exc))})"
         ) from exc
+    check_tree(tree, source)
+    return tree
 
 
 _REBUILD_TENSOR = GlobalRef("torch._utils", "_rebuild_tensor_v2")
@@ -327,6 +420,12 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets us write torch's
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, (TensorRef, ParamRef, Call)) and id(obj) in self.memo:
+            # Met before (a tied weight): a reference to the first, as torch writes it. Without
+            # this the Python pickler writes it again, then POP + BINGET, which torch's
+            # weights-only unpickler refuses ("Unsupported operand 48").
+            self.write(self.get(self.memo[id(obj)][0]))
+            return
         if isinstance(obj, GlobalRef):
             memo = self.memo.get(id(obj))
             if memo is not None:

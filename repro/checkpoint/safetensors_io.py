@@ -83,7 +83,7 @@ def _contiguous_bytes(archive: torchzip.Archive, ref: Any, cache: dict[str, Any]
     key = ref.storage.key
     if cache.get("key") != key:
         with zipfile.ZipFile(archive.path) as zf:
-            cache["data"] = zf.read(f"{archive.prefix}data/{key}")
+            cache["data"] = torchzip.read_record(zf, f"{archive.prefix}data/{key}", str(archive.path))
         cache["key"] = key
     dtype = getattr(torch, ref.dtype)
     storage = (

@@ -15,13 +15,18 @@ import os
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from gpudiag.errors import InputError
+from gpudiag.repro.checkpoint.unpickle import one_line
 
 ALIGNMENT = 64
+#: The most bytes read into memory for one record: the pickle, or a compressed record
+#: (torch never compresses; a compressed record could inflate a thousandfold).
+MAX_IN_MEMORY = 256 << 20
 _CHUNK = 8 << 20
 _ZIP64_LIMIT = 0xFFFFFFFF
 
@@ -75,13 +80,41 @@ def open_archive(path: Path, source: str) -> Archive:
             size = path.stat().st_size
             for r in records:
                 if not r.compressed and r.data_offset + r.size > size:
-                    raise InputError(f"{source}: truncated (record {r.name} runs past the end of the file)")
+                    raise InputError(f"{source}: truncated (record {one_line(r.name)} runs past the end)")
+                if (r.compressed or r.name == pickles[0]) and r.size > MAX_IN_MEMORY:
+                    raise InputError(
+                        f"{source}: record {one_line(r.name)} is {r.size} bytes; gpudiag reads at most "
+                        f"{MAX_IN_MEMORY} bytes into memory (the pickle, a compressed record)"
+                    )
             data = zf.read(pickles[0])
-    except zipfile.BadZipFile as exc:
-        raise InputError(f"{source}: damaged or truncated torch checkpoint ({exc})") from exc
-    except zlib.error as exc:
-        raise InputError(f"{source}: damaged torch checkpoint ({exc})") from exc
+    except InputError:
+        raise
+    except Exception as exc:  # zipfile raises many kinds on a damaged file
+        raise InputError(
+            f"{source}: damaged or truncated torch checkpoint ({type(exc).__name__}: {one_line(str(exc))})"
+        ) from exc
     return Archive(path, prefix, records, data)
+
+
+def read_record(zf: zipfile.ZipFile, name: str, source: str) -> bytes:
+    """One record's bytes; a damaged record (bad CRC, bad deflate data) is an InputError."""
+    try:
+        return zf.read(name)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, ValueError) as exc:
+        kind = type(exc).__name__
+        raise InputError(f"{source}: damaged record {one_line(name)} ({kind}: {one_line(str(exc))})") from exc
+
+
+def check_storages(archive: Archive, tensors: Iterable[tuple[str, Any]], source: str) -> None:
+    """Every storage a tensor names is a record of the archive, of the size its
+    reference declares (torch refuses the file otherwise)."""
+    sizes = {r.name: r.size for r in archive.records}
+    for path, ref in tensors:
+        name = f"{archive.prefix}data/{ref.storage.key}"
+        if name not in sizes:
+            raise InputError(f"{source}: damaged (tensor {one_line(path)} has no record {one_line(name)})")
+        if sizes[name] != ref.storage.nbytes:
+            raise InputError(f"{source}: damaged (record {one_line(name)} does not hold the storage's bytes)")
 
 
 def _dos_time(date_time: tuple[int, ...]) -> tuple[int, int]:
@@ -227,7 +260,7 @@ def rewrite(archive: Archive, new_pickle: bytes, out: BinaryIO) -> None:
                     lambda f, data=new_pickle: f.write(data),
                 )
             elif record.compressed:
-                data = zf.read(record.name)  # rare: torch never compresses; bounded by one record
+                data = read_record(zf, record.name, str(archive.path))  # rare: torch never compresses
                 writer.add(
                     record.name,
                     len(data),
@@ -283,4 +316,4 @@ def verify_records(original: Archive, written: Archive, source: str) -> None:
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         for name, ok in zip(before, pool.map(same, before), strict=True):
             if not ok:
-                raise InputError(f"{source}: verification failed: record {name} differs from the input's")
+                raise InputError(f"{source}: verification failed: record {one_line(name)} differs from IN's")
