@@ -8,9 +8,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-TYPED  := diag/hw diag/topology diag/render diag/cli.py diag/errors.py diag/findings.py diag/fileio.py diag/progress.py \
-          diag/runtime/numerics.py diag/runtime/launch.py diag/runtime/rank_process.py \
-          diag/runtime/batch.py diag/runtime/deadline.py checks/gradcheck
+TYPED  := diag/hw diag/topology diag/render diag/runtime diag/cli.py diag/errors.py diag/findings.py \
+          diag/fileio.py diag/progress.py diag/models.py checks/gradcheck
 
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121

@@ -131,7 +131,7 @@ def resolve_model(
     """Check ``spec`` and return its factory (nothing is built yet)."""
     text, _, query = spec.partition("?")
     kwargs = _parse_kwargs(query, spec)
-    common = {"kwargs": kwargs, "input_shape": tuple(input_shape), "num_classes": num_classes}
+    common: dict[str, Any] = {"kwargs": kwargs, "input_shape": tuple(input_shape), "num_classes": num_classes}
     if text in BUILTINS:
         if kwargs:
             raise InputError(f"built-in model {text!r} takes no arguments (use --input-shape/--num-classes)")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.errors import InputError
-from gpudiag.runtime.batch import call_model, micro_batches, shard
+from gpudiag.runtime.batch import call_model, micro_batches, shard, to_device
 from gpudiag.runtime.config import ModelFn, RunConfig, RunResult, numerics_of, sync_batchnorm_note
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
@@ -33,6 +33,7 @@ from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.stats import norm_and_nonfinite, norms_and_nonfinite
 from gpudiag.runtime.stepping import Stepper, build_model, digest
+from gpudiag.runtime.timing import CommTimes, PhaseTimer, peak_memory, reset_peak_memory
 from gpudiag.runtime.wire import pack, recorder_from_data, recorder_to_data, unpack
 
 
@@ -93,7 +94,7 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     pending = _Pending(bucket.index(), norm_and_nonfinite(tensor), [f.text for f in due], time.perf_counter())
     state.pending.append(pending)
     tensor.div_(state.world_size)
-    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
+    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr, unused-ignore]
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         result = fut.value()[0]
@@ -101,6 +102,23 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
             result.copy_(corrupt(result, fault))
         pending.result = result
         return result
+
+    return future.then(finish)
+
+
+def timed_hook(state: CommTimes, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """bench: torch's ``allreduce_hook`` (divide by the world size, all-reduce, use the
+    result) that notes when each bucket's all-reduce started (the bucket was ready) and
+    when it finished (host clock; on CUDA the finish is when the future completed)."""
+    tensor = bucket.buffer()
+    span = [time.perf_counter(), math.nan]
+    state.spans.append(span)
+    tensor.div_(state.world_size)
+    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        span[1] = time.perf_counter()
+        return fut.value()[0]
 
     return future.then(finish)
 
@@ -192,6 +210,7 @@ class DdpRuns:
             initial_params=first["initial"],
             numerics=[Numerics.from_json(r["numerics"]) for r in ranks],
             nondeterministic=list(dict.fromkeys(op for r in ranks for op in r["nondeterministic"])),
+            timing=_timing(ranks) if config.time_phases else {},
         )
 
     def __enter__(self) -> "DdpRuns":
@@ -201,7 +220,13 @@ class DdpRuns:
         self.ranks.close()
 
 
-def _buffer_sync(broadcast: bool) -> dict[str, bool]:
+def _timing(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """bench: every rank's peak memory (one CUDA device each) and threads, together."""
+    peaks = {int(d): b for r in ranks for d, b in r["timing"]["peak_memory"].items()}
+    return {"peak_memory": peaks, "threads": [t for r in ranks for t in r["timing"]["threads"]]}
+
+
+def _buffer_sync(broadcast: bool) -> dict[str, Any]:
     """DDP's buffer-broadcast option: ``broadcast_buffers`` was renamed
     ``forward_sync_buffers`` in newer torch (the old name warns); the default needs neither."""
     if broadcast:
@@ -263,8 +288,11 @@ def _train(
     recorder = Recorder(enabled=config.watch, origin=origin)
     faults = FaultPlan.parse(config.faults)
     state = HookState(rank, world, faults)
+    comm = CommTimes(world) if config.time_phases else None
     if config.watch or faults:
         ddp.register_comm_hook(state, watch_hook)
+    elif comm is not None:
+        ddp.register_comm_hook(comm, timed_hook)
 
     def forward(x: Any) -> Any:
         return call_model(ddp, x)
@@ -276,15 +304,27 @@ def _train(
         else {}
     )
     shard_inputs, shard_targets = shard(inputs, rank, world), targets.chunk(world)[rank]
+    timer = None
+    if config.time_phases:  # bench: the shard on its device once (synthetic data)
+        timer = stepper.timer = PhaseTimer(recorder, device, rank)
+        shard_inputs, shard_targets = to_device(shard_inputs, device), shard_targets.to(device)
+        reset_peak_memory(config.devices, (config.devices.ids[rank],))
     losses, digests = [], []
     with nondeterministic_alerts() as alerts:
         for step in range(1, config.steps + 1):
             state.step = step
             start = recorder.now()
-            micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
+            if timer is not None:
+                timer.begin(step)
+                with timer.phase("copy"):
+                    micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
+            else:
+                micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
             loss = stepper.step(
                 step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder)
             )
+            if timer is not None:
+                timer.end(comm.take() if comm is not None else None)
             losses.append(loss)
             if recorder.enabled:
                 recorder.steps.append(StepRecord(step, loss, start, recorder.now(), rank))
@@ -303,4 +343,10 @@ def _train(
         "initial": initial,
         "numerics": Numerics.observe().to_json(),
         "nondeterministic": alerts,
+        "timing": {
+            "peak_memory": peak_memory(config.devices, (config.devices.ids[rank],)),
+            "threads": [torch.get_num_threads()],
+        }
+        if config.time_phases
+        else {},
     }

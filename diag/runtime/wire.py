@@ -32,7 +32,7 @@ def pack(obj: Any) -> list[bytes | memoryview]:
         nonlocal offset
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
-            raw = memoryview(flat.view(torch.uint8).numpy())
+            raw = flat.view(torch.uint8).numpy().data  # (a memoryview of the tensor's bytes)
             pad = -offset % _ALIGN
             if pad:
                 chunks.append(bytes(pad))
