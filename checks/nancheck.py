@@ -70,12 +70,33 @@ class NancheckReport:
     findings: list[Finding]
     topology: Topology | None
     config: dict[str, Any] = field(default_factory=dict)
+    machine_source: str | None = None  # the file virtual devices were laid out like, if known
 
     def __repr__(self) -> str:
         return short_repr(self, self.verdict, self.findings, singles=len(self.singles), pairs=len(self.pairs))
 
     def exit_code(self) -> int:
         return 0 if self.verdict == "pass" else 1
+
+    @property
+    def simulated(self) -> bool:
+        """Whether training ran on CPU virtual devices laid out like a machine, not on GPUs."""
+        return self.topology is not None or self.config.get("devices") == "virtual"
+
+    @property
+    def simulation(self) -> str | None:
+        """What was simulated, in one sentence (None on real GPUs)."""
+        if not self.simulated:
+            return None
+        return (
+            f"simulated on CPU virtual devices laid out like {self._source}: "
+            "training ran on the CPU, not on the machine's GPUs, and only faults given with --inject "
+            "can appear, so a pass says nothing about its GPUs or links"
+        )
+
+    @property
+    def _source(self) -> str:
+        return str(self.machine_source or self.config.get("machine") or "a machine file")
 
     @property
     def recorders(self) -> dict[str, Any]:
@@ -87,6 +108,8 @@ class NancheckReport:
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
+            "simulated": self.simulated,
+            "simulation": self.simulation,
             "strategy": self.strategy,
             "steps": self.steps,
             "explosion_factor": EXPLOSION_FACTOR,

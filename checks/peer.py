@@ -16,8 +16,9 @@ For each ordered GPU pair (src → dst):
 
 Plus host facts that explain failures (:mod:`gpudiag.hw.host`). On virtual devices
 (``--machine``) copies and collectives run on the CPU and ``--inject`` breaks them; the
-bandwidth test is skipped (meaningless on a CPU). Without GPUs and without ``--machine``
-only the host probes run.
+bandwidth test is skipped (meaningless on a CPU) and the report is ``simulated``: it shows
+the checks work, not that the machine's peer-to-peer paths do. Without two GPUs and without
+``--machine`` only the host probes run and the verdict is ``skipped`` (exit 3) with the reason.
 """
 
 from __future__ import annotations
@@ -73,23 +74,45 @@ class PairResult:
 
 @dataclass
 class PeerReport:
-    verdict: str
-    devices: str
+    verdict: str  # pass | fail | skipped (no pair to test here: host probes only)
+    devices: str  # cuda | virtual | none
     pairs: list[PairResult]
     host: HostFacts
     skipped: list[str]
     findings: list[Finding]
+    machine_source: str | None = None  # the file virtual devices were laid out like
+    reason: str | None = None  # why no pair was tested (verdict ``skipped``)
 
     def __repr__(self) -> str:
         return short_repr(self, self.verdict, self.findings, directions=len(self.pairs))
 
+    @property
+    def simulated(self) -> bool:
+        """Whether copies and collectives ran on CPU virtual devices, not on GPUs."""
+        return self.devices == "virtual"
+
+    @property
+    def simulation(self) -> str | None:
+        """What was simulated, in one sentence (None on real GPUs)."""
+        if not self.simulated:
+            return None
+        return (
+            f"simulated on CPU virtual devices laid out like {self.machine_source or 'a machine file'}: "
+            "copies and all-reduces went through CPU memory, not over the machine's GPU links, "
+            "so a pass shows the checks work, not that its peer-to-peer paths do"
+        )
+
     def exit_code(self) -> int:
-        return 1 if self.verdict == "fail" else 0
+        """1 when a copy or collective is wrong, 3 when no pair could be tested here."""
+        return {"fail": 1, "skipped": 3}.get(self.verdict, 0)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
+            "simulated": self.simulated,
+            "simulation": self.simulation,
+            "reason": self.reason,
             "devices": self.devices,
             "pairs": [p.__dict__ for p in self.pairs],
             "host": self.host.__dict__,
@@ -211,13 +234,17 @@ def peer(
     inject: tuple[str, ...] | list[str] = (),
     runner: Runner | None = None,
     timeout: float = 60.0,
+    machine_source: str | None = None,
 ) -> PeerReport:
-    """Probe the host, then every ordered pair of GPUs (or virtual devices)."""
+    """Probe the host, then every ordered pair of GPUs (or virtual devices laid out like
+    ``machine``, read from ``machine_source``). With no pair to test the verdict is
+    ``skipped`` and the report still carries the host probes."""
     from gpudiag.checks.nancheck import parse_pairs
 
     for spec in inject:
         FaultPlan.parse([spec])
     skipped: list[str] = []
+    reason: str | None = None
     results: list[PairResult] = []
     if machine is not None:
         gpus = sorted(info.index for info in machine.gpus.values())
@@ -228,10 +255,15 @@ def peer(
         devices = DeviceSet.cuda(gpus)
     else:
         gpus, devices = [], None
-        skipped.append(
-            "GPU tests: fewer than 2 CUDA GPUs here; host probes only (simulate with --machine FILE)"
+        reason = (
+            f"GPU tests: not enough GPUs (fewer than 2 CUDA GPUs here: {cuda_device_count()}); "
+            "host probes only (simulate a machine with --machine FILE)"
         )
     chosen = parse_pairs(pairs, gpus) if devices is not None else []
+    if devices is not None and not chosen:
+        reason = f"GPU tests: not enough GPUs ({len(gpus)} {devices.kind} device(s)); host probes only"
+    if reason is not None:
+        skipped.append(reason)
     check_fires(inject, chosen, None)
     host = collect(runner)
     if devices is not None:
@@ -264,8 +296,10 @@ def peer(
             )
             results[first_direction].allreduce = report
     findings = conclude(results, host)
-    verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
-    return PeerReport(verdict, devices.kind if devices else "none", results, host, skipped, findings)
+    verdict = "fail" if any(f.severity == "error" for f in findings) else ("pass" if results else "skipped")
+    kind = devices.kind if devices else "none"
+    source = machine_source if machine is not None else None
+    return PeerReport(verdict, kind, results, host, skipped, findings, source, reason)
 
 
 _CONFIRM = "rerun with NCCL_P2P_DISABLE=1 (and compare p2pBandwidthLatencyTest with P2P on and off)"

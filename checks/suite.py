@@ -7,6 +7,8 @@ configuration is exactly what :func:`run_check` needs to run the check again els
 Statuses: ``pass``; ``explained`` (gradcheck: differences with known causes); ``warning``
 (the check found something to look at); ``fail`` (a problem: exit 1); ``skipped`` (cannot
 run here, with the reason); ``error`` (the check itself broke — a gpudiag bug or bad input).
+A check that ran on CPU virtual devices is ``simulated`` whatever its status: it says the
+check works, not that the machine's GPUs do (:attr:`CheckRun.simulation` says what ran).
 """
 
 from __future__ import annotations
@@ -70,6 +72,17 @@ class CheckRun:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     report: Any = None  # the check's own report object (traces, repro scripts); not serialised
+    #: what was simulated (ran on CPU virtual devices, not on GPUs), one sentence; None: real
+    simulation: str | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulation is not None
+
+    @property
+    def shown_status(self) -> str:
+        """The status as people read it: ``pass (simulated)`` for a simulated result."""
+        return f"{self.status} (simulated)" if self.simulated and self.status != "skipped" else self.status
 
     @property
     def command(self) -> str:
@@ -80,6 +93,8 @@ class CheckRun:
         return {
             "name": self.name,
             "status": self.status,
+            "simulated": self.simulated,
+            "simulation": self.simulation,
             "headline": self.headline,
             "command": self.command if self.config is not None else None,
             "config": self.config,
@@ -100,6 +115,7 @@ class CheckRun:
             result=data.get("result"),
             skipped=list(data.get("skipped", [])),
             seconds=float(data.get("seconds", 0.0)),
+            simulation=data.get("simulation") if isinstance(data.get("simulation"), str) else None,
         )
 
 
@@ -232,6 +248,7 @@ def _finished(
         report.to_json(),
         skipped=skipped or [],
         report=report,
+        simulation=getattr(report, "simulation", None),
     )
 
 
@@ -273,13 +290,19 @@ def _peer(config: dict[str, Any], here: Here) -> CheckRun:
         pairs=config.get("pairs", "all"),
         sizes=parse_sizes(sizes) if sizes else None,
         inject=tuple(config.get("inject", ())),
+        machine_source=here.machine_source,
     )
+    if report.verdict == "skipped":  # not enough GPUs: the host probes' findings still count
+        run = _finished("peer", "skipped", config, report, "")
+        run.headline = str(report.reason)
+        run.skipped = [s for s in report.skipped if s != report.reason]
+        return run
     status = (
         report.verdict if report.verdict == "fail" else ("warning" if _warns(report.findings) else "pass")
     )
-    fallback = f"{len(report.pairs)} direction(s) verified on {report.devices} devices"
-    if not report.pairs:
-        fallback = "host probes only"
+    fallback = f"{len(report.pairs)} direction(s) verified on " + (
+        "CPU virtual devices, not the GPUs" if report.simulated else f"{report.devices} devices"
+    )
     return _finished("peer", status, config, report, fallback, list(report.skipped))
 
 
@@ -293,6 +316,8 @@ def _gradcheck(config: dict[str, Any], here: Here) -> CheckRun:
     report = gradcheck_spec(**options)
     others = ", ".join(s for s in report.config["strategies"] if s != "single")
     fallback = f"{others} agree with single (tolerance {report.tolerance['rel_norm_err']:.3g})"
+    if report.simulated:
+        fallback += " on CPU virtual devices"
     if report.verdict == "explained":
         fallback = "differences, all explained: " + ", ".join(
             f.code for f in report.findings if f.severity == "warning"
@@ -312,7 +337,10 @@ def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
     options["inject"] = tuple(options.get("inject", ()))
     report = nancheck_spec(machine=machine, **options)
     report.config["machine"] = config.get("machine")
+    report.machine_source = here.machine_source
     fallback = f"{len(report.singles)} GPU(s) alone and {len(report.pairs)} pair(s) train without NaN"
+    if report.simulated:
+        fallback += " on CPU virtual devices, not the GPUs"
     return _finished("nancheck", report.verdict, config, report, fallback)
 
 

@@ -23,6 +23,16 @@ STATUS_MARK = {
 }
 
 
+def status_mark(check: Any) -> str:
+    """``✅ pass``, ``✅ pass (simulated)`` …: a check's status for a Markdown table."""
+    mark = STATUS_MARK.get(check.status, check.status)
+    return f"{mark} (simulated)" if check.shown_status != check.status else mark
+
+
+def _upper(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
+
+
 def _details(summary: str, body: str) -> str:
     return f"<details><summary>{summary}</summary>\n\n{body.rstrip()}\n\n</details>\n"
 
@@ -36,7 +46,15 @@ def report_markdown(report: Any) -> str:
     """The ``REPORT.md`` of a :class:`~gpudiag.repro.report.Report`."""
     doc = report.to_json()
     here = doc["here"]
-    out = [
+    out = []
+    if report.rehearsal:  # before anything else: the failures below were planted
+        specs = " ".join(f"`--inject {spec}`" for spec in report.injected)
+        out += [
+            f"> **Rehearsal with injected faults:** {specs}. Failures they cause below were planted "
+            "by gpudiag to test its detectors, not found on the machine.",
+            "",
+        ]
+    out += [
         "# gpudiag report",
         "",
         f"gpudiag {doc['gpudiag']} · torch {doc['torch']} · {doc['created']} · `{' '.join(doc['command'])}`",
@@ -49,12 +67,13 @@ def report_markdown(report: Any) -> str:
         )
         + ".",
         "",
+    ]
+    if report.simulation:
+        out += [f"**{_upper(report.simulation)}.**", ""]
+    out += [
         table(
             ["check", "status", "headline", "time"],
-            [
-                [c.name, STATUS_MARK.get(c.status, c.status), c.headline, f"{c.seconds:.1f} s"]
-                for c in report.checks
-            ],
+            [[c.name, status_mark(c), c.headline, f"{c.seconds:.1f} s"] for c in report.checks],
         ),
         "",
     ]
@@ -62,7 +81,7 @@ def report_markdown(report: Any) -> str:
         shown = [f for f in check.findings if f.severity != "info"]  # advice stays in report.json
         if not shown and check.status != "fail":
             continue
-        out += [f"## {check.name} — {check.status}", ""]
+        out += [f"## {check.name} — {check.shown_status}", ""]
         for f in shown:
             out += finding_lines(f, severity=True)
             if f.evidence:

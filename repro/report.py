@@ -69,16 +69,53 @@ class Report:
     def exit_code(self) -> int:
         return 1 if any(c.status in ("fail", "error") for c in self.checks) else 0
 
+    @property
+    def injected(self) -> list[str]:
+        """The faults injected with ``--inject`` (a rehearsal), from the checks' configurations."""
+        specs: list[str] = []
+        for c in self.checks:
+            specs += [s for s in (c.config or {}).get("inject") or [] if s not in specs]
+        return specs
+
+    @property
+    def rehearsal(self) -> str | None:
+        """One sentence saying faults were injected and which, or None."""
+        if not self.injected:
+            return None
+        specs = " ".join(f"--inject {s}" for s in self.injected)
+        return (
+            f"rehearsal with injected faults ({specs}): failures they cause were planted by gpudiag "
+            "to test its detectors, not found on the machine"
+        )
+
+    @property
+    def simulation(self) -> str | None:
+        """One sentence naming the checks that ran on CPU virtual devices, or None."""
+        names = [c.name for c in self.checks if c.simulated]
+        if not names:
+            return None
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        like = f" laid out like {self.here.machine_source}" if self.here.machine is not None else ""
+        return (
+            f"simulated: {listed} ran on CPU virtual devices{like}, not on GPUs; a pass there shows the "
+            "checks work, not that the machine's GPUs and links do"
+        )
+
     def doctor_json(self) -> dict[str, Any]:
         """``gpudiag doctor --format json``: schema ``gpudiag.doctor/1``."""
         full = self.to_json()
         return {
             "schema": DOCTOR_SCHEMA,
             "here": full["here"],
+            "injected_faults": full["injected_faults"],
+            "rehearsal": full["rehearsal"],
+            "simulation": full["simulation"],
             "checks": [
                 {
                     "name": c.name,
                     "status": c.status,
+                    "simulated": c.simulated,
+                    "simulation": c.simulation,
                     "headline": c.headline,
                     "findings": [f.to_json() for f in c.findings],
                     "skipped": c.skipped,
@@ -99,6 +136,9 @@ class Report:
             "gpudiag": __version__,
             "torch": torch.__version__,
             "command": self.argv,
+            "injected_faults": self.injected,
+            "rehearsal": self.rehearsal,
+            "simulation": self.simulation,
             "anonymized": self.anonymize,
             "here": {
                 "cuda_gpus": self.here.cuda_gpus,

@@ -269,3 +269,15 @@ def test_under_torchrun_only_rank_0_prints(monkeypatch: pytest.MonkeyPatch) -> N
         assert result.exit_code == 0
         printed[rank] = result.stdout
     assert json.loads(printed["0"])["schema"] == "gpudiag.topology/1" and printed["1"] == ""
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_gradcheck_on_cpu_virtual_devices_says_simulated() -> None:
+    """Issue 17: gradcheck without GPUs ran on virtual devices and said a plain `PASS`."""
+    args = ["gradcheck", "--model", "mlp", "--input-shape", "3,8,8", "--strategies", "single,dp"]
+    doc = json.loads(run(*args, "--format", "json").stdout)
+    assert doc["verdict"] == "pass" and doc["simulated"] is True
+    assert doc["simulation"].startswith("simulated on CPU virtual devices")
+    text = run(*args).stdout
+    assert text.startswith("gradcheck PASS (simulated)") and "CUDA kernels, NCCL and TF32" in text
+    assert run(*args, "--format", "markdown").stdout.startswith("## gradcheck: **pass** (simulated)")

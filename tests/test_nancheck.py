@@ -107,6 +107,20 @@ def test_text_output_draws_the_pair_matrix() -> None:
     assert "NODE✗" in result.output and "link-corruption" in result.output
 
 
+def test_virtual_devices_are_simulated_in_every_format() -> None:
+    """Issue 17: a machine file's run said `pass` as if the machine's GPUs had trained."""
+    args = ["nancheck", "--machine", SEED, "--pairs", "0-1", "--steps", "2"]
+    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).stdout)
+    assert doc["verdict"] == "pass" and doc["simulated"] is True
+    assert "virtual devices laid out like" in doc["simulation"] and SEED in doc["simulation"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0 and text.stdout.startswith("nancheck PASS (simulated)")
+    assert "Simulated on CPU virtual devices" in text.stdout and "(simulated, on the CPU)" in text.stdout
+    markdown = CliRunner().invoke(cli, [*args, "--format", "markdown"]).stdout
+    assert markdown.startswith("## nancheck: **pass** (simulated)")
+    assert "not on the machine's GPUs" in markdown
+
+
 @pytest.mark.usefixtures("no_gpu")
 def test_without_gpus_or_machine_it_is_exit_3() -> None:
     result = CliRunner().invoke(cli, ["nancheck"])

@@ -127,12 +127,39 @@ def test_healthy_pairs_pass() -> None:
     assert any("bandwidth" in s for s in report.skipped)
 
 
-def test_cli_without_gpus_runs_host_probes_only() -> None:
+@pytest.mark.usefixtures("no_gpu")
+def test_cli_without_gpus_is_skipped_with_the_host_probes() -> None:
+    """Issue 17: bare `gpudiag peer` without GPUs said `peer PASS · none devices`, exit 0."""
     result = CliRunner().invoke(cli, ["peer", "--format", "json"])
-    assert result.exit_code == 0
+    assert result.exit_code == 3  # cannot run here (DESIGN.md)
     doc = json.loads(result.output)
     assert doc["schema"] == "gpudiag.peer/1" and doc["pairs"] == [] and doc["devices"] == "none"
-    assert any("host probes only" in s for s in doc["skipped"])
+    assert doc["verdict"] == "skipped" and doc["simulated"] is False
+    assert "not enough GPUs" in doc["reason"] and any("host probes only" in s for s in doc["skipped"])
+    assert doc["host"]["iommu_mode"]  # the host probes ran and are shown
+    text = CliRunner().invoke(cli, ["peer"])
+    assert text.exit_code == 3 and "PASS" not in text.stdout
+    first = text.stdout.splitlines()[0]
+    assert first.startswith("peer SKIPPED · GPU tests: not enough GPUs") and "host:" in text.stdout
+
+
+def test_a_machine_file_is_simulated_everywhere(tmp_path: Path) -> None:
+    """Issue 17: copies on CPU virtual devices are never a plain pass of the real machine."""
+    args = ["peer", "--machine", SEED, "--pairs", "0-1", "--sizes", "4K"]
+    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).output)
+    assert doc["verdict"] == "pass" and doc["simulated"] is True
+    assert "virtual devices laid out like" in doc["simulation"] and SEED in doc["simulation"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0 and text.stdout.startswith("peer PASS (simulated)")
+    assert "simulated on CPU virtual devices" in text.stdout
+    markdown = CliRunner().invoke(cli, [*args, "--format", "markdown"]).stdout
+    assert "peer PASS (simulated)" in markdown and "not over the machine's GPU links" in markdown
+    one_gpu = tmp_path / "one.txt"
+    one_gpu.write_text("\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n\nLegend:\n\n  X    = Self\n")
+    single = CliRunner().invoke(cli, ["peer", "--machine", str(one_gpu), "--format", "json"])
+    assert single.exit_code == 3, single.output
+    assert json.loads(single.stdout)["verdict"] == "skipped"
+    assert "not enough GPUs" in json.loads(single.stdout)["reason"]
 
 
 def test_cli_on_a_machine_file() -> None:

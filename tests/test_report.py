@@ -91,7 +91,7 @@ def test_report_bundle_contents(seed_bundle: Path) -> None:
     nancheck = next(c for c in doc["checks"] if c["name"] == "nancheck")
     assert [f["code"] for f in nancheck["findings"]] == ["link-corruption"]
     md = files["REPORT.md"].decode()
-    assert "| nancheck | ❌ fail |" in md and "<details><summary>Environment</summary>" in md
+    assert "| nancheck | ❌ fail (simulated) |" in md and "<details><summary>Environment</summary>" in md
     assert "python repro.py" in md and "## GPU topology" in md
     assert json.loads(files["traces/nancheck.json"])["traceEvents"]
 
@@ -279,10 +279,18 @@ def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
-def test_replay_matches_its_own_bundle(seed_bundle: Path) -> None:
+def test_replay_matches_its_own_bundle(seed_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag import progress
+
+    seen: list[str] = []  # what a terminal would show (issue 17: replay was silent until the end)
+    monkeypatch.setattr(progress, "shown", lambda stream=None: progress.listening(seen.append))
     result = CliRunner().invoke(cli, ["replay", str(seed_bundle), "--format", "json"])
     assert result.exit_code == 0, result.output
+    names = ["env", "topology", "peer", "gradcheck", "nancheck"]
+    assert [s for s in seen if s.startswith("replay: ")] == [f"replay: {name}" for name in names]
+    assert any(s.startswith("nancheck: ") for s in seen)  # the checks' own notes go on showing
     doc = json.loads(result.output)
+    assert doc["rehearsal"] and [c["recorded"]["simulated"] for c in doc["checks"]] == [0, 0, 1, 1, 1]
     assert doc["schema"] == "gpudiag.replay/1" and doc["match"] is True
     assert {c["name"]: c["compared"] for c in doc["checks"]} == {
         "env": False,
@@ -358,17 +366,22 @@ def test_doctor_without_gpus(tmp_path: Path) -> None:
     assert status == {
         "env": "pass",
         "topology": "skipped",
-        "peer": "pass",
+        "peer": "skipped",  # issue 17: it said pass with no GPU to test
         "gradcheck": "pass",
         "nancheck": "skipped",
     }
     assert all(set(c) >= {"name", "status", "findings"} for c in doc["checks"])
     peer = next(c for c in doc["checks"] if c["name"] == "peer")
-    assert "fewer than 2 CUDA GPUs" in peer["skipped"][0]
+    assert "not enough GPUs (fewer than 2 CUDA GPUs" in peer["headline"]
+    simulated = {c["name"] for c in doc["checks"] if c["simulated"]}
+    assert simulated == {"gradcheck"} and "gradcheck ran on CPU virtual devices" in doc["simulation"]
     text = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "c")])
     assert text.exit_code == 0
     assert "gpudiag doctor --machine topo.txt" in text.stdout and "Skipped" in text.stdout
     assert "[4/5] gradcheck: pass" in text.stderr
+    rows = {line.split()[0]: line for line in text.stdout.splitlines() if line.startswith(" ")}
+    assert "pass (simulated)" in rows["gradcheck"] and "skipped" in rows["peer"]
+    assert "Simulated: gradcheck ran on CPU virtual devices, not on GPUs" in text.stdout
 
 
 def test_doctor_on_a_capture_finds_the_broken_link(tmp_path: Path) -> None:
@@ -395,6 +408,40 @@ def test_doctor_on_a_capture_finds_the_broken_link(tmp_path: Path) -> None:
     assert checks["nancheck"]["headline"].startswith(
         "link-corruption: training breaks only on pair(s) (5,6) over NODE"
     )
+
+
+def test_doctor_on_a_capture_says_simulated_and_rehearsal(tmp_path: Path) -> None:
+    """Issue 17: `doctor --machine topo.txt` printed `peer pass …` and `nancheck pass …` as if
+    the captured machine had been tested, and an --inject run did not say it was a rehearsal."""
+    args = ["doctor", "--machine", SEED_CAPTURE, "--checks", "topology,peer,nancheck", "--pairs", "0-1"]
+    text = CliRunner().invoke(cli, [*args, "--inject", "0->1:nan@2", "--no-bundle"])
+    assert text.exit_code == 1, text.output
+    lines = text.stdout.splitlines()
+    assert lines[0].startswith("Rehearsal with injected faults (--inject 0->1:nan@2)")
+    assert f"Simulated: peer and nancheck ran on CPU virtual devices laid out like {SEED_CAPTURE}" in lines[2]
+    rows = {line.split()[0]: line for line in lines if line.startswith(" ")}
+    assert " warning " in rows["topology"] and "simulated" not in rows["topology"]  # the capture's own data
+    assert "fail (simulated)" in rows["nancheck"] and "pass (simulated)" in rows["peer"]
+    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json", "--no-bundle"]).stdout)
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert (checks["peer"]["status"], checks["peer"]["simulated"]) == ("pass", True)
+    assert checks["nancheck"]["simulated"] is True and checks["topology"]["simulated"] is False
+    assert "not on the machine's GPUs" in checks["nancheck"]["simulation"]
+    assert doc["injected_faults"] == [] and doc["rehearsal"] is None
+    assert "CPU virtual devices, not the GPUs" in checks["peer"]["headline"]
+
+
+def test_a_rehearsal_bundle_says_so_first(seed_bundle: Path) -> None:
+    """Issue 17: that faults were injected appeared only inside the command line."""
+    files = bundle_bytes(seed_bundle)
+    md = files["REPORT.md"].decode()
+    assert md.startswith("> **Rehearsal with injected faults:** `--inject 1->0:nan@1`.")
+    assert md.index("Rehearsal") < md.index("# gpudiag report")
+    doc = json.loads(files["report.json"])
+    assert doc["injected_faults"] == ["1->0:nan@1"] and "planted by gpudiag" in doc["rehearsal"]
+    assert {c["name"] for c in doc["checks"] if c["simulated"]} == {"peer", "gradcheck", "nancheck"}
+    assert "**Simulated: peer, gradcheck and nancheck ran on CPU virtual devices" in md
+    assert "| peer | ❌ fail (simulated) |" in md and "## nancheck — fail (simulated)" in md
 
 
 def test_rank_logs_capture_each_rank(tmp_path: Path) -> None:

@@ -113,6 +113,22 @@ class GradcheckReport:
         lines += [f"  [{f.severity}] {f.code}: {f.message}" for f in self.findings]
         return "\n".join(lines)
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the strategies ran on CPU virtual devices (DDP over gloo), not on GPUs."""
+        devices = self.config.get("devices")
+        return isinstance(devices, dict) and devices.get("kind") == "virtual"
+
+    @property
+    def simulation(self) -> str | None:
+        """What was simulated, in one sentence (None on real GPUs)."""
+        if not self.simulated:
+            return None
+        return (
+            "simulated on CPU virtual devices (DDP over gloo), not on GPUs: it compares the "
+            "strategies' arithmetic for this model; CUDA kernels, NCCL and TF32 were not exercised"
+        )
+
     def exit_code(self, strict: bool = False) -> int:
         if self.verdict == "fail" or (strict and self.verdict == "explained"):
             return 1
@@ -122,6 +138,8 @@ class GradcheckReport:
         return {
             "schema": SCHEMA,
             "verdict": self.verdict,
+            "simulated": self.simulated,
+            "simulation": self.simulation,
             "reference": "single",
             "tolerance": self.tolerance,
             "settings": self.settings,

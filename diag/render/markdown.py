@@ -27,6 +27,12 @@ def finding_lines(f: Any, severity: bool = False) -> list[str]:
     return lines
 
 
+def simulated(report: Any) -> list[str]:
+    """`` (simulated)`` and the sentence saying what was, for a result from virtual devices."""
+    sentence = getattr(report, "simulation", None)
+    return [" (simulated)", f"*{sentence[:1].upper()}{sentence[1:]}.*"] if sentence else ["", ""]
+
+
 def findings(items: list[Any], title: str) -> str:
     if not items:
         return ""
@@ -84,9 +90,11 @@ def topology(report: Any, stream: TextIO) -> None:
 
 def gradcheck(report: Any, stream: TextIO) -> None:
     cfg = report.config
+    mark, sentence = simulated(report)
     out = [
-        f"## gradcheck: **{report.verdict}**",
+        f"## gradcheck: **{report.verdict}**{mark}",
         "",
+        *([sentence, ""] if sentence else []),
         f"Model `{cfg.get('model', '?')}`, batch {cfg['batch_size']}, world size {cfg['world_size']} "
         f"({cfg['devices']['kind']} devices), {cfg['dtype']}, loss `{cfg['loss']}`, {cfg['steps']} step(s), "
         f"seed {cfg['seed']}. Tolerance: relative norm error ≤ {report.tolerance['rel_norm_err']:.3g} "
@@ -128,9 +136,11 @@ def nancheck(report: Any, stream: TextIO) -> None:
         ]
         for o in [*report.singles, *report.pairs]
     ]
+    mark, sentence = simulated(report)
     out = [
-        f"## nancheck: **{report.verdict}**",
+        f"## nancheck: **{report.verdict}**{mark}",
         "",
+        *([sentence, ""] if sentence else []),
         f"{report.strategy}, {report.steps} steps per run, model `{report.config.get('model', '?')}`.",
         "",
         table(["run", "link", "status", "first bad step", "first bad data"], rows),

@@ -212,11 +212,13 @@ def _gradcheck(out: Any, report: Any) -> None:
     cfg = report.config
     style = VERDICT_STYLE.get(report.verdict, "bold")
     out.print(
-        f"[bold]gradcheck[/bold] [{style}]{report.verdict.upper()}[/{style}]"
+        f"[bold]gradcheck[/bold] [{style}]{report.verdict.upper()}[/{style}]{_simulated(report)}"
         f" · model {escape(str(cfg.get('model', '?')))}"
         f" · batch {cfg['batch_size']} · world size {cfg['world_size']} ({cfg['devices']['kind']} devices)"
         f" · {cfg['dtype']} · loss {cfg['loss']} · {cfg['steps']} step(s)"
     )
+    if report.simulation:
+        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report.settings.items())
     out.print(
         f"tolerance: relative norm error ≤ {report.tolerance['rel_norm_err']:.3g} "
@@ -273,15 +275,18 @@ def nancheck(report: Any, stream: TextIO) -> None:
 
 def _nancheck(out: Any, report: Any) -> None:
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     style = VERDICT_STYLE.get(report.verdict, "bold")
     cfg = report.config
     out.print(
-        f"[bold]nancheck[/bold] [{style}]{report.verdict.upper()}[/{style}] · {report.strategy} · "
-        f"{report.steps} step(s) per run · model {cfg.get('model', '?')} · "
+        f"[bold]nancheck[/bold] [{style}]{report.verdict.upper()}[/{style}]{_simulated(report)} · "
+        f"{report.strategy} · {report.steps} step(s) per run · model {cfg.get('model', '?')} · "
         + (f"virtual devices of {cfg.get('machine')}" if cfg.get("devices") == "virtual" else "CUDA devices")
     )
+    if report.simulation:
+        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
     singles = {o.devices[0]: o for o in report.singles}
     pairs = {o.devices: o for o in report.pairs}
     gpus = sorted(set(singles) | {g for p in pairs for g in p})
@@ -326,7 +331,9 @@ def _nancheck(out: Any, report: Any) -> None:
         out.print(table)
     findings(out, report.findings, "Findings")
     if not report.findings:
-        out.print("\nEvery GPU and every pair trained without non-finite values or explosion.")
+        what = "virtual device alone and every pair" if report.simulated else "GPU and every pair"
+        simulated = " (simulated, on the CPU)" if report.simulated else ""
+        out.print(f"\nEvery {what} trained without non-finite values or explosion{simulated}.")
 
 
 def _ckpt_lines(kind: str, doc: dict[str, Any]) -> list[str]:
@@ -396,7 +403,12 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
 
 def _peer_lines(report: Any) -> list[str]:
     """Plain lines shared by the text and markdown views of ``peer``."""
-    lines = [f"peer {report.verdict.upper()} · {report.devices} devices"]
+    if report.verdict == "skipped":
+        lines = [f"peer SKIPPED · {report.reason}"]
+    else:
+        lines = [f"peer {report.verdict.upper()}{_simulated(report)} · {report.devices} devices"]
+    if report.simulation:
+        lines.append(f"  {report.simulation}")
     for r in report.pairs:
         wrong = [c for c in r.copies if c["wrong"]]
         copies = f"{len(r.copies)} copies, {len(wrong)} wrong" if r.copies else "no copies"
@@ -415,7 +427,7 @@ def _peer_lines(report: Any) -> list[str]:
         f"{len(host.kernel_lines)} kernel log line(s); NCCL settings {host.nccl or 'none'}"
     )
     lines += [f"  could not collect {k}: {v}" for k, v in host.missing.items()]
-    lines += [f"  skipped: {s}" for s in report.skipped]
+    lines += [f"  skipped: {s}" for s in report.skipped if s != report.reason]
     return lines
 
 
@@ -460,6 +472,15 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+def _simulated(report: Any) -> str:
+    """`` (simulated)`` after the verdict of a result from CPU virtual devices."""
+    return " (simulated)" if getattr(report, "simulated", False) else ""
+
+
+def _upper(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
+
+
     here = report.here
     where = f"{here.cuda_gpus} CUDA GPU(s)"
     if here.machine is not None:
@@ -470,7 +491,8 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
         table.add_column(column)
     for c in report.checks:
         style = SUITE_STYLE.get(c.status, "")
-        table.add_row(c.name, f"[{style}]{c.status}[/{style}]", escape(c.headline), f"{c.seconds:.1f} s")
+        status = f"[{style}]{c.status}[/{style}]" + (" (simulated)" if c.shown_status != c.status else "")
+        table.add_row(c.name, status, escape(c.headline), f"{c.seconds:.1f} s")
     out.print(table)
     skipped = [(c.name, c.headline) for c in report.checks if c.status == "skipped"]
     skipped += [(c.name, s) for c in report.checks for s in c.skipped]
@@ -489,8 +511,8 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
     if doctor and here.cuda_gpus == 0 and here.machine is None:
         out.print(
             "\nNo GPU here. To diagnose a GPU machine from its capture: run `nvidia-smi topo -m > topo.txt` "
-            "there, then `gpudiag doctor --machine topo.txt` here (nancheck and peer then run on virtual "
-            "devices laid out like it)."
+            "there, then `gpudiag doctor --machine topo.txt` here (nancheck and peer then run, simulated, "
+            "on CPU virtual devices laid out like it)."
         )
 
 
@@ -498,17 +520,23 @@ def replay_lines(report: Any) -> list[str]:
     """Plain lines of a replay (text and Markdown views)."""
     lines = [f"replay of {report.bundle}: {'MATCH' if report.match else 'DIFFERS'}"]
     for c in report.checks:
-        here = "not run" if c.here is None else c.here.status
+        here = "not run" if c.here is None else c.here.shown_status
         state = "match" if c.match and c.compared else ("DIFFERS" if not c.match else "not compared")
-        lines.append(f"  {c.name}: {c.recorded.status} there, {here} here — {state}")
+        lines.append(f"  {c.name}: {c.recorded.shown_status} there, {here} here — {state}")
         if c.note and c.note != "same result":
             lines.append(f"      {c.note}")
         lines += [f"      - {d}" for d in c.differences]
     if report.environment:
+    if report.rehearsal:
+        out.print(f"[bold yellow]{escape(_upper(report.rehearsal))}[/bold yellow]")
         lines.append("environment differences (there → here):")
+    if report.simulation:
+        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
         lines += [f"  {d}" for d in report.environment]
     return lines
 
 
 def replay(report: Any, stream: TextIO) -> None:
     stream.write("\n".join(replay_lines(report)) + "\n")
+    if getattr(report, "rehearsal", None):
+        lines.append(f"  the bundle is a {report.rehearsal}")
