@@ -52,6 +52,11 @@ class RunConfig:
     #: the part of the model's output the loss is computed on (see ``batch.select_output``);
     #: None: chosen automatically for a named loss, the whole output for a loss function
     output: OutputKey = None
+    #: bench: record each step's phases as :class:`~gpudiag.runtime.record.Phase` events
+    #: (device time, one synchronisation per step: :mod:`gpudiag.runtime.timing`), the
+    #: batch placed on its device once, before the first step (synthetic data), and the
+    #: peak memory per CUDA device in ``RunResult.timing``. Off: nothing of it runs.
+    time_phases: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -87,6 +92,9 @@ class RunResult:
     numerics: list[Numerics] = field(default_factory=list)  # as each process saw them (ddp: per rank)
     #: ops torch reported as having no deterministic implementation (any process, any step)
     nondeterministic: list[str] = field(default_factory=list)
+    #: with ``time_phases``: ``peak_memory`` (CUDA device → bytes; empty on virtual devices)
+    #: and ``threads`` (torch's intra-op threads in each process that computed)
+    timing: dict[str, Any] = field(default_factory=dict)
 
 
 def numerics_of(config: RunConfig) -> contextlib.AbstractContextManager[Any]:

@@ -114,7 +114,7 @@ def timed_hook(state: CommTimes, bucket: dist.GradBucket) -> torch.futures.Futur
     span = [time.perf_counter(), math.nan]
     state.spans.append(span)
     tensor.div_(state.world_size)
-    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
+    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr, unused-ignore]
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         span[1] = time.perf_counter()

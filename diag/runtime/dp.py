@@ -127,11 +127,15 @@ def dp_forward(
     recorder = transport.recorder
     step = transport.step
 
-    def phase(name: str, start: float, device: int | None = None) -> None:
-        if recorder is not None:
+    timer = transport.timer
+
+    def phase(name: str, start: Any, device: int | None = None) -> None:
+        if timer is not None:
+            timer.add(name, start, device)
+        elif recorder is not None:
             recorder.phases.append(Phase(step, name, start, recorder.now(), device))
 
-    now = recorder.now if recorder is not None else (lambda: 0.0)
+    now = timer.mark if timer is not None else recorder.now if recorder is not None else (lambda: 0.0)
     pick = select or (lambda output: output)
     if len(ids) == 1:
         return pick(module(*args, **kwargs))

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from gpudiag.findings import Finding
-from gpudiag.runtime.batch import call_model, micro_batches
+from gpudiag.runtime.batch import call_model, micro_batches, to_device
 from gpudiag.runtime.config import ModelFn, RunConfig, RunResult, sync_batchnorm_note
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.faults import FaultPlan
 from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Recorder, StepRecord
 from gpudiag.runtime.stepping import Stepper, _cpu, build_model, output_selector
+from gpudiag.runtime.timing import PhaseTimer, peak_memory, reset_peak_memory
 from gpudiag.runtime.transport import Transport
 
 
@@ -41,14 +42,31 @@ def run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Run
     initial = _cpu(dict(model.named_parameters())) if config.steps > 1 else {}
     losses = []
     first = devices.torch_device(devices.ids[0])
+    timer, used = None, devices.ids[:1] if config.strategy == "single" else devices.ids
+    if config.time_phases:  # bench: the batch on its device once (synthetic data)
+        timer = transport.timer = stepper.timer = PhaseTimer(recorder, first)
+        inputs, targets = to_device(inputs, first), targets.to(first)
+        reset_peak_memory(devices, used)
     with nondeterministic_alerts() as alerts:
         for step in range(1, config.steps + 1):
             transport.step = step
             start = recorder.now()
-            loss = stepper.step(step, micro_batches(inputs, targets, config.accumulate, first))
+            if timer is not None:
+                timer.begin(step)
+                with timer.phase("copy"):
+                    micro = micro_batches(inputs, targets, config.accumulate, first)
+                loss = stepper.step(step, micro)
+                timer.end()
+            else:
+                loss = stepper.step(step, micro_batches(inputs, targets, config.accumulate, first))
             losses.append(loss)
             if recorder.enabled:
                 recorder.steps.append(StepRecord(step, loss, start, recorder.now()))
+    timing = (
+        {"peak_memory": peak_memory(devices, used), "threads": [torch.get_num_threads()]}
+        if config.time_phases
+        else {}
+    )
     return RunResult(
         strategy=config.strategy,
         losses=losses,
@@ -60,4 +78,5 @@ def run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Run
         initial_params=initial,
         numerics=[Numerics.observe()],
         nondeterministic=alerts,
+        timing=timing,
     )

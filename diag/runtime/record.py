@@ -86,7 +86,9 @@ class StepRecord:
 
 @dataclass
 class Recorder:
-    """Collects events when ``enabled``; a disabled recorder keeps nothing."""
+    """Collects events when ``enabled``; a disabled recorder keeps nothing — except the
+    phases a bench run times (``RunConfig.time_phases``, :mod:`gpudiag.runtime.timing`),
+    which it keeps without the transfers and buckets that watching would cost."""
 
     enabled: bool = True
     origin: float = field(default_factory=time.perf_counter)

@@ -27,6 +27,8 @@ class Transport:
         self.recorder = recorder if recorder is not None and recorder.enabled else None
         self.faults = faults or FaultPlan()
         self.step = 1
+        #: bench: dp_forward times its phases on this (a ``timing.PhaseTimer``) when set
+        self.timer: Any = None
 
     def send(
         self, tensor: torch.Tensor, src: int, dst: int, phase: str, back: str | None, name: str = ""
