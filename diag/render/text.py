@@ -431,6 +431,15 @@ def _peer_lines(report: Any) -> list[str]:
     return lines
 
 
+def _simulated(report: Any) -> str:
+    """`` (simulated)`` after the verdict of a result from CPU virtual devices."""
+    return " (simulated)" if getattr(report, "simulated", False) else ""
+
+
+def _upper(sentence: str) -> str:
+    return sentence[:1].upper() + sentence[1:]
+
+
 def peer(report: Any, stream: TextIO) -> None:
     with text_console(stream) as out:
         from rich.markup import escape
@@ -472,20 +481,15 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-def _simulated(report: Any) -> str:
-    """`` (simulated)`` after the verdict of a result from CPU virtual devices."""
-    return " (simulated)" if getattr(report, "simulated", False) else ""
-
-
-def _upper(sentence: str) -> str:
-    return sentence[:1].upper() + sentence[1:]
-
-
     here = report.here
     where = f"{here.cuda_gpus} CUDA GPU(s)"
     if here.machine is not None:
         where += f"; virtual devices laid out like {escape(str(here.machine_source))}"
+    if report.rehearsal:
+        out.print(f"[bold yellow]{escape(_upper(report.rehearsal))}[/bold yellow]")
     out.print(f"[bold]gpudiag {'doctor' if doctor else 'report'}[/bold] · {where}")
+    if report.simulation:
+        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("check", "status", "headline", "time"):
         table.add_column(column)
@@ -519,6 +523,8 @@ def _upper(sentence: str) -> str:
 def replay_lines(report: Any) -> list[str]:
     """Plain lines of a replay (text and Markdown views)."""
     lines = [f"replay of {report.bundle}: {'MATCH' if report.match else 'DIFFERS'}"]
+    if getattr(report, "rehearsal", None):
+        lines.append(f"  the bundle is a {report.rehearsal}")
     for c in report.checks:
         here = "not run" if c.here is None else c.here.shown_status
         state = "match" if c.match and c.compared else ("DIFFERS" if not c.match else "not compared")
@@ -527,16 +533,10 @@ def replay_lines(report: Any) -> list[str]:
             lines.append(f"      {c.note}")
         lines += [f"      - {d}" for d in c.differences]
     if report.environment:
-    if report.rehearsal:
-        out.print(f"[bold yellow]{escape(_upper(report.rehearsal))}[/bold yellow]")
         lines.append("environment differences (there → here):")
-    if report.simulation:
-        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
         lines += [f"  {d}" for d in report.environment]
     return lines
 
 
 def replay(report: Any, stream: TextIO) -> None:
     stream.write("\n".join(replay_lines(report)) + "\n")
-    if getattr(report, "rehearsal", None):
-        lines.append(f"  the bundle is a {report.rehearsal}")
