@@ -10,7 +10,9 @@ imported on first use (torch with it, where it needs torch):
 - ``nancheck(factory, inputs, targets, machine=...)`` — ``gpudiag nancheck``;
 - ``peer(machine=None, pairs="all")`` — ``gpudiag peer``;
 - ``inspect_checkpoint(path)`` / ``convert_checkpoint(src, dst, ...)`` — ``gpudiag ckpt``;
-- ``doctor(machine=None)`` — the checks ``gpudiag doctor`` runs, as a report (no bundle).
+- ``doctor(machine=None)`` — the checks ``gpudiag doctor`` runs, as a report (no bundle);
+- ``bench(factory_or_spec, batch_size=..., strategies=..., gpus=..., dtypes=...)`` —
+  ``gpudiag bench``.
 """
 
 __version__ = "0.1.0"
@@ -25,6 +27,7 @@ _API = {
     "inspect_checkpoint": ("gpudiag.repro.checkpoint", "inspect"),
     "convert_checkpoint": ("gpudiag.repro.checkpoint", "convert"),
     "doctor": ("gpudiag.repro.report", "doctor"),
+    "bench": ("gpudiag.checks.bench", "bench"),
 }
 __all__ = ["__version__", *_API]
 

@@ -18,6 +18,7 @@ def test_the_api_is_listed_and_every_name_resolves() -> None:
         "inspect_checkpoint",
         "convert_checkpoint",
         "doctor",
+        "bench",
     }
     assert dir(gpudiag) == sorted(gpudiag.__all__)
     for name in gpudiag.__all__:

@@ -24,10 +24,11 @@ FORMATS = {
     "report": ("text", "json", "markdown"),
     "doctor": ("text", "json", "markdown"),
     "replay": ("text", "json", "markdown"),
+    "bench": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
 #: Kinds whose renderers for every format live in one module of their own.
-OWN_MODULE: dict[str, str] = {}
+OWN_MODULE: dict[str, str] = {"bench": "gpudiag.render.bench"}
 
 
 def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:

@@ -1,0 +1,144 @@
+"""``gpudiag bench --compare before.json after.json``: each figure's change, and whether
+it exceeds the run-to-run spread (p95 − p50 of the step time) of either run.
+
+A time figure (step time, a phase) changed beyond noise when its change is larger than
+the larger of the two runs' spreads; samples/s when its relative change is larger than
+the larger relative spread (spread / p50). Cases are matched by strategy, GPUs, dtype and
+global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.errors import InputError
+
+from .figures import PHASES, Case
+from .report import BenchResult
+
+SCHEMA = "gpudiag.bench-compare/1"
+
+
+@dataclass
+class Change:
+    figure: str  # step_p50_s, step_p95_s, samples_per_s, phase:<name>
+    before: float
+    after: float
+    noise: float  # the larger spread, in the figure's unit (samples/s: relative)
+    beyond_noise: bool
+
+    @property
+    def delta(self) -> float:
+        return self.after - self.before
+
+    @property
+    def relative(self) -> float | None:
+        return self.delta / self.before if self.before else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "figure": self.figure,
+            "before": self.before,
+            "after": self.after,
+            "delta": self.delta,
+            "relative": self.relative,
+            "noise": self.noise,
+            "beyond_noise": self.beyond_noise,
+        }
+
+
+@dataclass
+class CaseChange:
+    label: str
+    batch: int
+    changes: list[Change]
+
+
+@dataclass
+class BenchComparison:
+    before: str
+    after: str
+    cases: list[CaseChange]
+    only_before: list[str] = field(default_factory=list)
+    only_after: list[str] = field(default_factory=list)
+    simulated: bool = False
+
+    def __repr__(self) -> str:
+        beyond = sum(ch.beyond_noise for c in self.cases for ch in c.changes)
+        return f"<BenchComparison cases {len(self.cases)} · beyond noise {beyond}>"
+
+    def exit_code(self) -> int:
+        return 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "before": self.before,
+            "after": self.after,
+            "simulated": self.simulated,
+            "cases": [
+                {"case": c.label, "batch": c.batch, "changes": [ch.to_json() for ch in c.changes]}
+                for c in self.cases
+            ],
+            "only_before": self.only_before,
+            "only_after": self.only_after,
+        }
+
+
+def _key(case: Case) -> tuple[str, int, str, int]:
+    return (case.strategy, case.gpus, case.dtype, case.batch)
+
+
+def compare_cases(a: Case, b: Case) -> list[Change]:
+    """The changes from ``a`` (before) to ``b`` (after)."""
+    noise = max(a.spread, b.spread)
+    rel_noise = max(a.spread / a.p50 if a.p50 else 0.0, b.spread / b.p50 if b.p50 else 0.0)
+    changes = [
+        Change("step_p50_s", a.p50, b.p50, noise, abs(b.p50 - a.p50) > noise),
+        Change("step_p95_s", a.p95, b.p95, noise, abs(b.p95 - a.p95) > noise),
+    ]
+    rel = (b.samples_per_s - a.samples_per_s) / a.samples_per_s if a.samples_per_s else 0.0
+    changes.append(Change("samples_per_s", a.samples_per_s, b.samples_per_s, rel_noise, abs(rel) > rel_noise))
+    for name in PHASES:
+        x, y = a.phases.get(name, 0.0), b.phases.get(name, 0.0)
+        if x or y:
+            changes.append(Change(f"phase:{name}", x, y, noise, abs(y - x) > noise))
+    return changes
+
+
+def compare(
+    before: BenchResult, after: BenchResult, names: tuple[str, str] = ("before", "after")
+) -> BenchComparison:
+    a = {_key(c): c for c in before.cases if c.error is None and c.steps}
+    b = {_key(c): c for c in after.cases if c.error is None and c.steps}
+    common = [k for k in a if k in b]
+    return BenchComparison(
+        names[0],
+        names[1],
+        [CaseChange(a[k].label, a[k].batch, compare_cases(a[k], b[k])) for k in common],
+        only_before=[a[k].label for k in a if k not in b],
+        only_after=[b[k].label for k in b if k not in a],
+        simulated=before.simulated or after.simulated,
+    )
+
+
+def read_result(path: str) -> BenchResult:
+    """A ``gpudiag bench -o`` file (bounded read; bad input is exit 2)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64 * 1024 * 1024 + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > 64 * 1024 * 1024:
+        raise InputError(f"{path}: larger than 64 MiB, not a bench result")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not JSON ({exc})") from None
+    return BenchResult.from_json(data, path)
+
+
+def compare_files(before: str, after: str) -> BenchComparison:
+    return compare(read_result(before), read_result(after), (before, after))

@@ -1,0 +1,215 @@
+"""From recorded phases to figures: step times, percentiles, samples/s and the phase
+breakdown of one measured case. Pure functions over :class:`Phase` events (no runs).
+
+Per step, the phases the runtime times (``gpudiag.runtime.timing``) are folded into:
+
+- ``copy``: the batch to the device (synthetic data sits there already: ~0);
+- ``scatter``, ``replicate``, ``gather`` (``dp``): DataParallel's own work;
+- ``forward``: the model's forward and the loss (for ``dp`` without scatter, replicate
+  and gather, which happen inside DataParallel's forward);
+- ``backward``: autograd's backward (for ``ddp`` without the exposed all-reduce;
+  for ``dp`` it includes the replicas' gradients travelling back to the first device);
+- ``allreduce`` (``ddp``): the exposed part of the gradient all-reduce — from the last
+  bucket becoming ready (gradient computation over) to the last all-reduce finishing;
+  the part hidden under backward is reported apart (``allreduce_hidden``), not in the step;
+- ``optimizer``: the optimizer step (and GradScaler update);
+- ``other``: the rest of the step (zeroing gradients, fp16's unscale and overflow check,
+  the loss read back).
+
+A ``ddp`` case's step time is the slowest rank's; its phases are the ranks' mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The phases of a step in the order shown; their means add up to the mean step time.
+PHASES = ("copy", "scatter", "replicate", "forward", "gather", "backward", "allreduce", "optimizer", "other")
+DP_PHASES = ("scatter", "replicate", "gather")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0–100) by linear interpolation (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass
+class StepTimes:
+    """What the timed steps of one case took: ``steps`` (seconds each), ``phases`` (mean
+    seconds per step, :data:`PHASES`), ``allreduce_hidden`` (mean seconds per step of
+    all-reduce overlapped with backward; ddp)."""
+
+    steps: list[float]
+    phases: dict[str, float]
+    allreduce_hidden: float | None = None
+
+
+def _fold(strategy: str, events: Iterable[Any]) -> tuple[list[float], list[dict[str, float]], list[float]]:
+    """One process's timed events → per step: its time, its phases, hidden all-reduce."""
+    per_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for p in events:
+        if strategy == "dp" and p.device is not None:
+            continue  # a replica's own forward: inside the step-level forward
+        if p.name == "allreduce":
+            spans[p.step].append((p.start, p.end))
+        else:
+            per_step[p.step][p.name] += p.end - p.start
+    times, phases, hidden = [], [], []
+    for step in sorted(per_step):
+        got = per_step[step]
+        if "step" not in got:
+            continue
+        total = got.pop("step")
+        row = {name: got.get(name, 0.0) for name in PHASES if name not in ("allreduce", "other")}
+        if strategy == "dp":
+            row["forward"] = max(0.0, row["forward"] - sum(row[n] for n in DP_PHASES))
+        comm = spans.get(step, [])
+        exposed = 0.0
+        if comm:
+            exposed = min(max(0.0, max(e for _, e in comm) - max(s for s, _ in comm)), row["backward"])
+            row["backward"] -= exposed
+            hidden.append(max(0.0, sum(e - s for s, e in comm) - exposed))
+        row["allreduce"] = exposed
+        row["other"] = max(0.0, total - sum(row.values()))
+        times.append(total)
+        phases.append(row)
+    return times, phases, hidden
+
+
+def step_times(strategy: str, events: Iterable[Any], warmup: int) -> StepTimes:
+    """Fold the ``Phase`` events of a run (every rank's for ddp) into :class:`StepTimes`,
+    dropping the first ``warmup`` steps."""
+    timed = [p for p in events if p.step > warmup]
+    groups: dict[Any, list[Any]] = defaultdict(list)
+    for p in timed:
+        groups[p.device if strategy == "ddp" else None].append(p)
+    folded = [_fold(strategy, groups[key]) for key in sorted(groups, key=lambda k: -1 if k is None else k)]
+    folded = [f for f in folded if f[0]]
+    if not folded:
+        return StepTimes([], {})
+    count = min(len(f[0]) for f in folded)
+    steps = [max(f[0][i] for f in folded) for i in range(count)]
+    rows = [row for f in folded for row in f[1][:count]]
+    phases = {name: sum(r[name] for r in rows) / len(rows) for name in PHASES}
+    hidden = [h for f in folded for h in f[2][:count]]
+    return StepTimes(steps, phases, sum(hidden) / len(hidden) if hidden else None)
+
+
+@dataclass
+class Case:
+    """One measured configuration: ``strategy`` on ``gpus`` devices at ``dtype``, with
+    the global ``batch`` (each device's share: ``per_gpu_batch``, the largest
+    ``torch.chunk`` piece). Times in seconds; ``samples_per_s`` over the timed steps."""
+
+    strategy: str
+    gpus: int
+    dtype: str
+    batch: int
+    per_gpu_batch: int
+    devices: list[int] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    allreduce_hidden: float | None = None
+    peak_memory: dict[int, int] | None = None  # bytes per CUDA device; None on virtual devices
+    threads: list[int] = field(default_factory=list)  # torch threads of each computing process
+    links: list[str] = field(default_factory=list)  # link classes between the devices used
+    speedup: float | None = None  # samples/s against single at the same dtype
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} ×{self.gpus} {self.dtype}"
+
+    @property
+    def p50(self) -> float:
+        return percentile(self.steps, 50)
+
+    @property
+    def p95(self) -> float:
+        return percentile(self.steps, 95)
+
+    @property
+    def spread(self) -> float:
+        """Run-to-run spread of the step time: p95 − p50 (seconds)."""
+        return self.p95 - self.p50
+
+    @property
+    def samples_per_s(self) -> float:
+        total = sum(self.steps)
+        return self.batch * len(self.steps) / total if total > 0 else math.nan
+
+    @property
+    def samples_per_s_per_gpu(self) -> float:
+        return self.samples_per_s / self.gpus
+
+    @property
+    def efficiency(self) -> float | None:
+        """Scaling efficiency: speedup / GPUs (1.0 = linear)."""
+        return None if self.speedup is None else self.speedup / self.gpus
+
+    @property
+    def step_time(self) -> float:
+        """Mean step time (what the phases add up to)."""
+        return sum(self.steps) / len(self.steps) if self.steps else math.nan
+
+    def share(self, *names: str) -> float:
+        """The phases' share of the mean step time (0–1)."""
+        total = self.step_time
+        return sum(self.phases.get(n, 0.0) for n in names) / total if total > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        ok = self.error is None and bool(self.steps)
+        return {
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "dtype": self.dtype,
+            "batch": self.batch,
+            "per_gpu_batch": self.per_gpu_batch,
+            "devices": self.devices,
+            "timed_steps": len(self.steps),
+            "step_s": {"p50": self.p50, "p95": self.p95, "mean": self.step_time} if ok else None,
+            "samples_per_s": self.samples_per_s if ok else None,
+            "samples_per_s_per_gpu": self.samples_per_s_per_gpu if ok else None,
+            "speedup": self.speedup,
+            "efficiency": self.efficiency,
+            "phases_s": self.phases,
+            "allreduce_hidden_s": self.allreduce_hidden,
+            "peak_memory_bytes": None
+            if self.peak_memory is None
+            else {str(k): v for k, v in self.peak_memory.items()},
+            "threads": self.threads,
+            "links": self.links,
+            "steps_s": self.steps,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Case:
+        memory = data.get("peak_memory_bytes")
+        return cls(
+            strategy=str(data["strategy"]),
+            gpus=int(data["gpus"]),
+            dtype=str(data["dtype"]),
+            batch=int(data["batch"]),
+            per_gpu_batch=int(data["per_gpu_batch"]),
+            devices=[int(d) for d in data.get("devices", [])],
+            steps=[float(s) for s in data.get("steps_s", [])],
+            phases={str(k): float(v) for k, v in (data.get("phases_s") or {}).items()},
+            allreduce_hidden=data.get("allreduce_hidden_s"),
+            peak_memory=None if memory is None else {int(k): int(v) for k, v in memory.items()},
+            threads=[int(t) for t in data.get("threads", [])],
+            links=[str(link) for link in data.get("links", [])],
+            speedup=data.get("speedup"),
+            error=data.get("error"),
+        )

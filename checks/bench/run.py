@@ -1,0 +1,200 @@
+"""``gpudiag bench``: plan the cases, run each through the runtime with phase timing
+(``RunConfig.time_phases``), fold the phases into figures, explain.
+
+Each case is one runtime run of ``warmup + steps`` steps (the warm-up steps' figures are
+dropped: the first step builds the optimizer, allocates, autotunes). The model and batch
+are the same for every case; the batch is synthetic and placed on its device before the
+first step (the GPU's ceiling: no data loading).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpudiag.errors import InputError, naming_model
+from gpudiag.progress import note
+from gpudiag.topology.model import Topology
+
+from .explain import explain
+from .figures import Case, step_times
+from .report import BenchResult
+
+CONVENTIONS = ("per_gpu", "global")
+
+
+def _per_gpu(batch: int, gpus: int) -> int:
+    """The largest ``torch.chunk`` piece of ``batch`` over ``gpus``."""
+    return -(-batch // gpus)
+
+
+def plan(
+    strategies: Sequence[str], gpus: Sequence[int], dtypes: Sequence[str], batch_size: int, convention: str
+) -> list[tuple[str, int, str, int]]:
+    """The cases, in order: (strategy, GPUs, dtype, global batch); ``single`` runs once per
+    dtype on one device, the others once per GPU count."""
+    if convention not in CONVENTIONS:
+        raise InputError(f"unknown batch convention {convention!r} (expected per_gpu or global)")
+    cases = []
+    for dtype in dtypes:
+        for strategy in strategies:
+            for n in [1] if strategy == "single" else gpus:
+                batch = batch_size * n if convention == "per_gpu" else batch_size
+                if batch < n:
+                    raise InputError(f"a global batch of {batch} cannot be split over {n} GPUs")
+                cases.append((strategy, n, dtype, batch))
+    return cases
+
+
+def _devices(machine: Topology | None) -> tuple[str, list[int]]:
+    """Where to run: ("cuda", ids), ("virtual", the machine's GPU ids), ("virtual", [])
+    (any number of virtual devices)."""
+    if machine is not None:
+        from gpudiag.topology.model import gpu_index
+
+        return "virtual", sorted(i for i in (gpu_index(lbl) for lbl in machine.gpu_labels) if i is not None)
+    from gpudiag.hw.cuda import cuda_device_count
+
+    count = cuda_device_count()
+    return ("cuda", list(range(count))) if count else ("virtual", [])
+
+
+def _choose(kind: str, available: list[int], n: int, machine: Topology | None) -> list[int] | None:
+    """``n`` devices: the best-connected group of a machine, the first ``n`` GPUs, or
+    None when there are not enough."""
+    if kind == "virtual" and not available:
+        return list(range(n))
+    if n > len(available):
+        return None
+    if machine is not None and n > 1:
+        from gpudiag.topology.analysis import best_groups
+
+        groups = best_groups(machine, n)
+        if groups:
+            return list(groups[0])
+    return available[:n]
+
+
+def default_gpus(kind: str, available: list[int]) -> tuple[int, ...]:
+    if kind == "virtual" and not available:
+        return (2,)
+    return tuple(n for n in (2, 4, 8) if n <= len(available)) or (1,)
+
+
+def bench(
+    model: str | Callable[[], Any],
+    *,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    num_classes: int = 10,
+    batch_size: int = 32,
+    convention: str = "per_gpu",
+    strategies: Sequence[str] = ("single", "dp", "ddp"),
+    gpus: Sequence[int] | None = None,
+    dtypes: Sequence[str] = ("fp32",),
+    data: str = "synthetic",
+    steps: int = 20,
+    warmup: int = 3,
+    machine: Topology | str | None = None,
+    input_dtype: str = "float",
+    input_range: tuple[float, float] | None = None,
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    seed: int = 0,
+    timeout: float = 300.0,
+) -> BenchResult:
+    """Measure ``model`` (a ``--model`` spec or a factory) per (strategy, GPU count,
+    dtype): samples/s, step time p50/p95, speedup, phases, peak memory. ``convention``:
+    ``per_gpu`` (``batch_size`` per GPU) or ``global`` (``batch_size`` in total).
+    On CPU virtual devices (no GPU, or ``machine`` given) the result is ``simulated``."""
+    from gpudiag.models import random_batch, resolve_model
+    from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
+    from gpudiag.topology.sources import read_machine_or_capture
+
+    if data != "synthetic":
+        raise InputError(f"--data {data}: only synthetic data is measured in this version")
+    if steps < 2 or warmup < 1:
+        raise InputError("bench needs at least 2 timed steps and 1 warm-up step")
+    source = machine if isinstance(machine, str) else None
+    topo = read_machine_or_capture(machine) if isinstance(machine, str) else machine
+    kind, available = _devices(topo)
+    counts = tuple(gpus) if gpus else default_gpus(kind, available)
+    spec = model if isinstance(model, str) else getattr(model, "__name__", "model")
+    factory = resolve_model(model, input_shape, num_classes) if isinstance(model, str) else model
+    planned = plan(strategies, counts, dtypes, batch_size, convention)
+    batches: dict[int, Any] = {}
+    cases: list[Case] = []
+    skipped: list[dict[str, Any]] = []
+    with naming_model(spec):
+        for strategy, n, dtype, batch in planned:
+            label = f"{strategy} ×{n} {dtype}"
+            ids = _choose(kind, available, n, topo)
+            if ids is None:
+                skipped.append({"case": label, "reason": f"{n} devices asked for, {len(available)} here"})
+                continue
+            if batch not in batches:
+                batches[batch] = random_batch(
+                    factory, batch, input_shape, num_classes, "ce", seed, None, input_dtype, input_range
+                )
+            inputs, targets = batches[batch]
+            devices = DeviceSet.virtual(ids, topo) if kind == "virtual" else DeviceSet.cuda(ids)
+            config = RunConfig(
+                strategy,  # type: ignore[arg-type, unused-ignore]
+                devices,
+                steps=warmup + steps,
+                optimizer=optimizer,  # type: ignore[arg-type, unused-ignore]
+                lr=lr,
+                dtype=dtype,
+                seed=seed,
+                watch=False,
+                keep_state=True,  # every timed step applies its update
+                timeout=timeout,
+                time_phases=True,
+            )
+            case = Case(strategy, n, dtype, batch, _per_gpu(batch, n), devices=ids)
+            case.links = sorted(
+                {link for a in ids for b in ids if a < b for link in [devices.link(a, b)] if link}
+            )
+            note(f"bench: {label}, batch {batch}")
+            try:
+                result = run(factory, inputs, targets, config)
+            except RankFailure as exc:
+                case.error = str(exc)
+                cases.append(case)
+                continue
+            timed = step_times(strategy, result.recorder.phases, warmup)
+            case.steps, case.phases, case.allreduce_hidden = timed.steps, timed.phases, timed.allreduce_hidden
+            case.peak_memory = result.timing.get("peak_memory") if kind == "cuda" else None
+            case.threads = list(result.timing.get("threads", []))
+            cases.append(case)
+    _speedups(cases)
+    config_out = {
+        "model": spec,
+        "input_shape": list(input_shape),
+        "batch_size": batch_size,
+        "convention": convention,
+        "strategies": list(strategies),
+        "gpus": list(counts),
+        "dtypes": list(dtypes),
+        "data": data,
+        "steps": steps,
+        "warmup": warmup,
+        "devices": kind,
+        "machine": source,
+        "timing": "CUDA events, one synchronisation per step"
+        if kind == "cuda"
+        else "perf_counter on the CPU",
+        "cores": os.cpu_count() or 1,
+    }
+    return BenchResult(
+        cases, explain(cases, os.cpu_count() or 1), config_out, simulated=kind == "virtual", skipped=skipped
+    )
+
+
+def _speedups(cases: list[Case]) -> None:
+    """Each case's samples/s against ``single`` at the same dtype (None without one)."""
+    single = {c.dtype: c for c in cases if c.strategy == "single" and c.error is None and c.steps}
+    for case in cases:
+        ref = single.get(case.dtype)
+        if ref is not None and case.error is None and case.steps:
+            case.speedup = case.samples_per_s / ref.samples_per_s

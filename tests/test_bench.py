@@ -1,0 +1,243 @@
+"""gpudiag bench: phases folded into figures, findings from arranged figures (no wall
+clock), --compare against the spread, renderers, the API and the command on toy models."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import gpudiag
+from gpudiag.checks.bench import BenchResult, Case, compare
+from gpudiag.checks.bench.explain import explain
+from gpudiag.checks.bench.figures import percentile, step_times
+from gpudiag.checks.bench.run import plan
+from gpudiag.cli import cli
+from gpudiag.errors import InputError
+from gpudiag.render import render
+from gpudiag.runtime import DeviceSet, RunConfig, run
+from gpudiag.runtime.record import Phase
+from tests import models
+
+# --- folding phases -----------------------------------------------------------------
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0], 95) == pytest.approx(3.85)
+
+
+def _step(step: int, total: float, device: int | None = None, **phases: float) -> list[Phase]:
+    out = [Phase(step, "step", 0.0, total, device)]
+    t = 0.0
+    for name, seconds in phases.items():
+        out.append(Phase(step, name, t, t + seconds, device))
+        t += seconds
+    return out
+
+
+def test_single_phases_add_up_to_the_step_and_warmup_is_dropped() -> None:
+    events = _step(1, 9.0, forward=5.0) + _step(2, 1.0, forward=0.3, backward=0.5, optimizer=0.1)
+    timed = step_times("single", events, warmup=1)
+    assert timed.steps == [1.0]
+    assert timed.phases["forward"] == pytest.approx(0.3)
+    assert timed.phases["other"] == pytest.approx(0.1)
+    assert sum(timed.phases.values()) == pytest.approx(1.0)
+
+
+def test_dp_forward_excludes_scatter_replicate_gather_and_replica_forwards() -> None:
+    events = [
+        *_step(1, 1.0, forward=0.6, backward=0.3),
+        Phase(1, "scatter", 0.0, 0.1),
+        Phase(1, "replicate", 0.1, 0.3),
+        Phase(1, "gather", 0.5, 0.6),
+        Phase(1, "forward", 0.3, 0.4, 0),  # a replica's own: inside the step-level forward
+        Phase(1, "forward", 0.4, 0.5, 1),
+    ]
+    phases = step_times("dp", events, warmup=0).phases
+    assert phases["forward"] == pytest.approx(0.2)
+    assert (phases["scatter"], phases["replicate"], phases["gather"]) == pytest.approx((0.1, 0.2, 0.1))
+
+
+def test_ddp_exposed_allreduce_and_the_slowest_rank() -> None:
+    rank0 = [
+        *_step(1, 1.0, 0, forward=0.2, backward=0.6),
+        Phase(1, "allreduce", 0.3, 0.5, 0),  # hidden under backward
+        Phase(1, "allreduce", 0.6, 0.8, 0),  # last bucket ready at 0.6, done at 0.8: 0.2 exposed
+    ]
+    rank1 = [*_step(1, 1.2, 1, forward=0.2, backward=0.6), Phase(1, "allreduce", 0.7, 0.8, 1)]
+    timed = step_times("ddp", rank0 + rank1, warmup=0)
+    assert timed.steps == [1.2]  # the slowest rank
+    assert timed.phases["allreduce"] == pytest.approx((0.2 + 0.1) / 2)
+    assert timed.phases["backward"] == pytest.approx((0.4 + 0.5) / 2)
+    assert timed.allreduce_hidden == pytest.approx((0.2 + 0.0) / 2)
+
+
+def test_plan_states_both_batch_conventions() -> None:
+    assert plan(["single", "dp"], [2, 4], ["fp32"], 8, "per_gpu") == [
+        ("single", 1, "fp32", 8),
+        ("dp", 2, "fp32", 16),
+        ("dp", 4, "fp32", 32),
+    ]
+    assert plan(["single", "ddp"], [2], ["fp32"], 8, "global") == [
+        ("single", 1, "fp32", 8),
+        ("ddp", 2, "fp32", 8),
+    ]
+    with pytest.raises(InputError):
+        plan(["dp"], [4], ["fp32"], 2, "global")
+
+
+# --- findings from arranged figures ---------------------------------------------------
+
+
+def _case(
+    strategy: str = "single",
+    gpus: int = 1,
+    dtype: str = "fp32",
+    per_gpu: int = 64,
+    step: float = 0.1,
+    **phases: float,
+) -> Case:
+    case = Case(strategy, gpus, dtype, per_gpu * gpus, per_gpu, steps=[step] * 5)
+    case.phases = {"forward": step * 0.4, "backward": step * 0.5, **phases}
+    return case
+
+
+def _codes(cases: list[Case], cores: int = 64) -> list[str]:
+    single = {c.dtype: c for c in cases if c.strategy == "single"}
+    for c in cases:
+        if c.dtype in single:
+            c.speedup = c.samples_per_s / single[c.dtype].samples_per_s
+    return [f.code for f in explain(cases, cores)]
+
+
+def test_dp_overhead_fires_above_its_share_only() -> None:
+    heavy = _case("dp", 2, step=0.1, scatter=0.01, replicate=0.02, gather=0.01)  # 40 %
+    light = _case("dp", 2, step=0.1, scatter=0.001, replicate=0.002, gather=0.001)  # 4 %
+    assert _codes([_case(step=0.1), heavy]) == ["dp-overhead"]
+    assert _codes([_case(step=0.1), light]) == []
+    finding = explain([heavy], 64)[0]
+    assert finding.evidence["share"] == pytest.approx(0.4) and "DistributedDataParallel" in (
+        finding.fix or ""
+    )
+
+
+def test_per_gpu_batch_small_needs_a_small_batch_and_poor_scaling() -> None:
+    ref = _case(per_gpu=8, step=0.01)
+    poor = _case("ddp", 4, per_gpu=8, step=0.02)  # speedup 2 on 4: 50 %
+    assert "per-gpu-batch-small" in _codes([ref, poor])
+    fine = _case("ddp", 4, per_gpu=8, step=0.0105)  # 95 %
+    assert "per-gpu-batch-small" not in _codes([ref, fine])
+    big = _case("ddp", 4, per_gpu=64, step=0.16)
+    assert "per-gpu-batch-small" not in _codes([_case(per_gpu=64, step=0.08), big])
+
+
+def test_cpu_oversubscribed_counts_ranks_times_threads() -> None:
+    case = _case("ddp", 4, step=0.1)
+    case.threads = [8, 8, 8, 8]
+    assert "cpu-oversubscribed" in _codes([case], cores=16)
+    case.threads = [4, 4, 4, 4]
+    assert "cpu-oversubscribed" not in _codes([case], cores=16)
+    one = _case(step=0.1)
+    one.threads = [64]  # one process using every core is not oversubscribed
+    assert _codes([one], cores=16) == []
+
+
+def test_amp_no_gain_compares_with_fp32_of_the_same_case() -> None:
+    assert _codes([_case(step=0.1), _case(dtype="bf16", step=0.099)]) == ["amp-no-gain"]
+    assert _codes([_case(step=0.1), _case(dtype="bf16", step=0.06)]) == []
+    assert _codes([_case(dtype="bf16", step=0.1)]) == []  # nothing to compare with
+
+
+def test_comm_exposed_names_the_link() -> None:
+    slow = _case("ddp", 2, step=0.1, allreduce=0.04)
+    slow.links = ["SYS"]
+    finding = explain([slow], 64)[0]
+    assert finding.code == "comm-exposed" and "SYS" in finding.message
+    assert explain([_case("ddp", 2, step=0.1, allreduce=0.01)], 64) == []
+
+
+# --- compare -----------------------------------------------------------------------------
+
+
+def _result(*cases: Case) -> BenchResult:
+    return BenchResult(list(cases), [])
+
+
+def test_compare_says_whether_a_change_exceeds_the_spread() -> None:
+    before = _case(step=0.1)
+    before.steps = [0.10, 0.10, 0.10, 0.11, 0.12]  # spread p95 - p50 = 0.018
+    small = _case(step=0.1)
+    small.steps = [0.105] * 5
+    big = _case(step=0.05)
+    (within,) = compare(_result(before), _result(small)).cases
+    (beyond,) = compare(_result(before), _result(big)).cases
+    by = {c.figure: c for c in within.changes}
+    assert not by["step_p50_s"].beyond_noise and not by["samples_per_s"].beyond_noise
+    by = {c.figure: c for c in beyond.changes}
+    assert by["step_p50_s"].beyond_noise and by["samples_per_s"].beyond_noise
+    assert by["step_p50_s"].noise == pytest.approx(0.018)
+
+
+def test_compare_files_round_trip_and_bad_input(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = _result(_case(step=0.1), _case("ddp", 2, step=0.12))
+    a, b, bad = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bad.json"
+    a.write_text(json.dumps(result.to_json()))
+    b.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    bad.write_text('{"schema": "gpudiag.peer/1"}')
+    runner = CliRunner()
+    out = runner.invoke(cli, ["bench", "--compare", str(a), str(b), "--format", "json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert doc["schema"] == "gpudiag.bench-compare/1" and doc["only_before"] == ["ddp ×2 fp32"]
+    text = runner.invoke(cli, ["bench", "--compare", str(a), str(b)])
+    assert "beyond noise" in text.output and "\x1b[" not in text.output
+    assert runner.invoke(cli, ["bench", "--compare", str(a), str(bad)]).exit_code == 2
+
+
+# --- runs through the runtime ---------------------------------------------------------------
+
+
+def test_timing_off_changes_nothing() -> None:
+    x, y = models.batch(8)
+    plain = run(models.mlp, x, y, RunConfig("single", DeviceSet.virtual(1), steps=2, watch=False))
+    assert plain.recorder.phases == [] and plain.timing == {}
+
+
+def test_bench_measures_every_strategy_on_virtual_devices() -> None:
+    result = gpudiag.bench(
+        models.flat_mlp, input_shape=(3, 4, 4), num_classes=4, batch_size=4, steps=3, warmup=1
+    )
+    assert result.simulated and result.exit_code() == 0
+    by = {c.strategy: c for c in result.cases}
+    assert set(by) == {"single", "dp", "ddp"}
+    assert by["single"].speedup == 1.0 and by["dp"].batch == 8 and by["dp"].per_gpu_batch == 4
+    assert all(len(c.steps) == 3 and c.peak_memory is None for c in result.cases)
+    assert by["dp"].phases["replicate"] > 0 and by["ddp"].allreduce_hidden is not None
+    assert by["ddp"].threads == [1, 1]  # forked ranks compute on one thread each
+    doc = result.to_json()
+    assert doc["schema"] == "gpudiag.bench/1" and doc["simulated"] is True
+    again = BenchResult.from_json(json.loads(json.dumps(doc)))
+    assert [c.samples_per_s for c in again.cases] == pytest.approx([c.samples_per_s for c in result.cases])
+    text, md = io.StringIO(), io.StringIO()
+    render("bench", result, "text", text)
+    render("bench", result, "markdown", md)
+    assert "(simulated)" in text.getvalue() and "DataParallel" in text.getvalue() and "█" in text.getvalue()
+    assert "| strategy |" in md.getvalue() and "(simulated)" in md.getvalue()
+    assert repr(result).startswith("<BenchResult")
+
+
+def test_the_command_writes_json_and_refuses_bad_usage(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "mlp", "--input-shape", "8", "--batch-size", "4", "--global"]
+    args += ["--strategies", "single,dp", "--steps", "2", "--warmup", "1", "-o", str(out), "--format", "json"]
+    got = CliRunner().invoke(cli, args)
+    assert got.exit_code == 0, got.output
+    printed, written = json.loads(got.output), json.loads(out.read_text())
+    assert printed["cases"][1]["batch"] == 4 and printed["cases"][1]["per_gpu_batch"] == 2
+    assert written["schema"] == "gpudiag.bench/1" and written["config"]["convention"] == "global"
+    assert CliRunner().invoke(cli, args).exit_code == 2  # -o exists, no --force
+    assert CliRunner().invoke(cli, ["bench"]).exit_code == 2
+    assert CliRunner().invoke(cli, ["bench", "--model", "mlp", "--dtype", "fp8"]).exit_code == 2
