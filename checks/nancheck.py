@@ -32,8 +32,8 @@ from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.progress import note
 from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
+from gpudiag.runtime.config import ModelFn
 from gpudiag.runtime.faults import check_fires, for_devices, parse_fault
-from gpudiag.runtime.run import ModelFn
 from gpudiag.topology.analysis import best_groups, cuda_visible_devices
 from gpudiag.topology.model import Topology, path_of
 
