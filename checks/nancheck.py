@@ -445,8 +445,8 @@ def nancheck_spec(
     """``gpudiag nancheck``: resolve the model and machine (a machine file or capture, or
     an already loaded ``machine``), make the batch (see :func:`gpudiag.models.random_inputs`),
     sweep."""
+    from gpudiag.hw.sources import read_machine_or_capture
     from gpudiag.models import random_batch, resolve_model
-    from gpudiag.topology.sources import read_machine_or_capture
 
     if machine_file:
         machine = read_machine_or_capture(machine_file)

@@ -148,7 +148,7 @@ class Here:
             nvml = None
         except GpudiagError as exc:
             nvml = str(exc)
-        from gpudiag.topology.sources import read_machine_or_capture
+        from gpudiag.hw.sources import read_machine_or_capture
 
         topology = read_machine_or_capture(machine) if machine else None
         return cls(cuda_device_count(), nvml, topology, machine)
@@ -261,7 +261,7 @@ def _headline(findings: list[Finding], fallback: str) -> str:
 
 
 def _env(config: dict[str, Any], here: Here) -> CheckRun:
-    from gpudiag.repro.env import collect_env
+    from gpudiag.checks.env import collect_env
 
     report = collect_env(live_topology=here.machine is None)
     versions = report.sections.get("versions", {})
@@ -272,8 +272,8 @@ def _env(config: dict[str, Any], here: Here) -> CheckRun:
 
 
 def _topology(config: dict[str, Any], here: Here) -> CheckRun:
+    from gpudiag.hw.sources import read_topology
     from gpudiag.topology.analysis import analyze
-    from gpudiag.topology.sources import read_topology
 
     topo = _machine(config, here) if config.get("machine") else read_topology()
     report = analyze(topo)

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 #: name → (module, attribute) of the public API, imported when first used.
 _API = {
-    "topology_report": ("gpudiag.topology.sources", "topology_report"),
+    "topology_report": ("gpudiag.hw.sources", "topology_report"),
     "gradcheck": ("gpudiag.checks.gradcheck", "gradcheck"),
     "gradcheck_spec": ("gpudiag.checks.gradcheck", "gradcheck_spec"),
     "nancheck": ("gpudiag.checks.nancheck", "nancheck"),

@@ -163,9 +163,9 @@ def topology(
     nvidia-smi's (PCI bus order).
     """
     from gpudiag.hw.machine import save_machine as write_machine
+    from gpudiag.hw.sources import read_topology
     from gpudiag.render import render
     from gpudiag.topology.analysis import analyze
-    from gpudiag.topology.sources import read_topology
 
     topo = read_topology(from_file=from_file, machine=machine)
     if save_machine:
@@ -402,8 +402,8 @@ def peer(
     """
     from gpudiag.checks.peer import parse_sizes
     from gpudiag.checks.peer import peer as run_peer
+    from gpudiag.hw.sources import read_machine_or_capture
     from gpudiag.render import render
-    from gpudiag.topology.sources import read_machine_or_capture
 
     machine = read_machine_or_capture(machine_file) if machine_file else None
     report = run_peer(
@@ -475,9 +475,9 @@ def env(anonymize: bool, fmt: str) -> None:
     mapping, NCCL/TORCH/CUDA variables and config files, TF32/determinism flags and the
     IOMMU. Secrets are replaced by a marker; anything that cannot be read says why.
     """
+    from gpudiag.checks.env import collect_env
+    from gpudiag.redact import Redactor
     from gpudiag.render import render
-    from gpudiag.repro.env import collect_env
-    from gpudiag.repro.redact import Redactor
 
     render("env", collect_env(redactor=Redactor(anonymize=anonymize)), fmt, sys.stdout)
 
@@ -570,8 +570,8 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
 
     from gpudiag.checks.suite import CHECKS, Here
     from gpudiag.models import check_input_range, resolve_model
+    from gpudiag.redact import Redactor
     from gpudiag.render import render
-    from gpudiag.repro.redact import Redactor
     from gpudiag.repro.report import check_destination, run_report, write_bundle
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -12,7 +12,7 @@ A bundle is a folder, or a ``.zip`` when its name ends so, holding:
 - ``traces/<check>.json``: what the runtime recorded (Chrome trace format, Perfetto);
 - ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL).
 
-Every byte of every file passes through :class:`~gpudiag.repro.redact.Redactor` first, and
+Every byte of every file passes through :class:`~gpudiag.redact.Redactor` first, and
 the bundle appears at its path only when complete (written beside it, then renamed).
 """
 
@@ -34,7 +34,7 @@ from gpudiag import __version__
 from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, plan, run_check
 from gpudiag.errors import InputError
 from gpudiag.fileio import check_target, temporary_folder
-from gpudiag.repro.redact import Redactor
+from gpudiag.redact import Redactor
 
 SCHEMA = "gpudiag.report/1"
 SCHEMA_VERSION = 1
@@ -199,7 +199,7 @@ def _trace(run: CheckRun) -> bytes | None:
 def bundle_files(report: Report) -> dict[str, bytes]:
     """Every file of the bundle by its path inside it, not yet redacted."""
     from gpudiag.hw.machine import to_json as machine_json
-    from gpudiag.repro.markdown import report_markdown
+    from gpudiag.render.report_markdown import report_markdown
     from gpudiag.repro.scripts import repro_script
 
     files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}

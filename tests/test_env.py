@@ -12,10 +12,11 @@ from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from gpudiag.checks.env import collect_env
 from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner
-from gpudiag.repro.env import collect_env, env_lines
-from gpudiag.repro.redact import MARK, Redactor, is_secret_name
+from gpudiag.redact import MARK, Redactor, is_secret_name
+from gpudiag.render.env_lines import env_lines
 
 HERE = Path(__file__).parent
 
@@ -166,7 +167,7 @@ def test_a_hanging_tool_is_cut_off_and_reported(tmp_path, monkeypatch) -> None:
 
 
 def test_a_broken_collector_never_fails_the_command(monkeypatch) -> None:
-    import gpudiag.repro.env as env_module
+    import gpudiag.checks.env as env_module
 
     def broken() -> dict[str, str]:
         raise RuntimeError("boom")

@@ -22,8 +22,8 @@ print("HEAVY=" + ",".join(heavy))
         "import gpudiag.cli, gpudiag.topology, gpudiag.hw, gpudiag.checks, gpudiag.repro",
         "from gpudiag.cli import cli\ntry:\n    cli(['--help'])\nexcept SystemExit:\n    pass",
         "from gpudiag.cli import cli\ntry:\n    cli(['topology', '--help'])\nexcept SystemExit:\n    pass",
-        "import gpudiag.checks.suite, gpudiag.repro.report, gpudiag.repro.replay, gpudiag.repro.env, "
-        "gpudiag.repro.redact, gpudiag.repro.scripts, gpudiag.repro.markdown",
+        "import gpudiag.checks.suite, gpudiag.repro.report, gpudiag.repro.replay, gpudiag.checks.env, "
+        "gpudiag.redact, gpudiag.repro.scripts, gpudiag.render.report_markdown, gpudiag.hw.sources",
         "from gpudiag.cli import cli\ntry:\n    cli(['doctor', '--checks', 'env', '--help'])\n"
         "except SystemExit:\n    pass",
         # options are parsed (and --inject checked) before the command imports torch

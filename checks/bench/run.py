@@ -107,9 +107,9 @@ def bench(
     dtype): samples/s, step time p50/p95, speedup, phases, peak memory. ``convention``:
     ``per_gpu`` (``batch_size`` per GPU) or ``global`` (``batch_size`` in total).
     On CPU virtual devices (no GPU, or ``machine`` given) the result is ``simulated``."""
+    from gpudiag.hw.sources import read_machine_or_capture
     from gpudiag.models import random_batch, resolve_model
     from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
-    from gpudiag.topology.sources import read_machine_or_capture
 
     if data != "synthetic":
         raise InputError(f"--data {data}: only synthetic data is measured in this version")

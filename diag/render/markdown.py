@@ -172,14 +172,14 @@ def peer(report: Any, stream: TextIO) -> None:
 
 
 def env(report: Any, stream: TextIO) -> None:
-    from gpudiag.repro.env import env_lines
+    from gpudiag.render.env_lines import env_lines
 
     text = "\n".join(env_lines(report.to_json()))
     stream.write(f"## Environment (gpudiag env)\n\n```\n{text}\n```\n")
 
 
 def report(report: Any, stream: TextIO) -> None:
-    from gpudiag.repro.markdown import report_markdown
+    from gpudiag.render.report_markdown import report_markdown
 
     stream.write(report_markdown(report))
 

@@ -450,7 +450,7 @@ def peer(report: Any, stream: TextIO) -> None:
 
 
 def env(report: Any, stream: TextIO) -> None:
-    from gpudiag.repro.env import env_lines
+    from gpudiag.render.env_lines import env_lines
 
     stream.write("\n".join(env_lines(report.to_json())) + "\n")
 

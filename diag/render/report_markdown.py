@@ -106,7 +106,7 @@ def report_markdown(report: Any) -> str:
         out += [_details("Topology", text.getvalue())]
     env = doc.get("env")
     if env:
-        from gpudiag.repro.env import env_lines
+        from gpudiag.render.env_lines import env_lines
 
         out.append(_details("Environment", _code("\n".join(env_lines(env)))))
     skipped = [f"- {c.name}: {c.headline}" for c in report.checks if c.status == "skipped"]
