@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TYPED  := diag/hw diag/topology diag/render diag/runtime diag/cli.py diag/errors.py diag/findings.py \
-          diag/fileio.py diag/progress.py diag/models.py checks/gradcheck
+          diag/fileio.py diag/progress.py diag/models.py diag/redact.py checks/gradcheck checks/env.py
 
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121

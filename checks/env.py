@@ -137,7 +137,7 @@ def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
         "nccl_runtime": lambda: _nccl_runtime(torch),
         "gpu_models": lambda: ce.get_gpu_info(run),
         "cuda_module_loading": ce.get_cuda_module_loading_config,
-        "xnnpack_available": lambda: torch.backends.xnnpack.enabled,
+        "xnnpack_available": lambda: getattr(torch.backends.xnnpack, "enabled", None),
         "caching_allocator_config": ce.get_cachingallocator_config,
     }
     out: dict[str, Any] = {}
