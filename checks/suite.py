@@ -22,6 +22,7 @@ from typing import Any
 from gpudiag.errors import CannotRunHere, GpudiagError
 from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
+from gpudiag.runtime.faults import can_fire
 
 #: Every check, in the order they run (cheapest and most basic first).
 CHECKS = ("env", "topology", "peer", "gradcheck", "nancheck")
@@ -185,7 +186,9 @@ def plan(
         elif name == "peer":
             config = {"machine": MACHINE_FILE if virtual else None, "pairs": pairs, "inject": list(inject)}
         elif name == "gradcheck":
-            config = {**DEFAULT_GRADCHECK, **inputs, "inject": list(inject)}
+            config = {**DEFAULT_GRADCHECK, **inputs}
+            ranks = [tuple(range(config["world_size"]))]  # (faults meant for another check stay out)
+            config["inject"] = [s for s in inject if can_fire(s, ranks, config["steps"])]
             if model:
                 config["model"] = model
         elif name == "nancheck":

@@ -860,3 +860,12 @@ def test_replay_fuzz(
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     if result.exit_code == 3:
         assert "cannot run" in result.output
+
+
+def test_each_check_gets_only_the_injections_it_can_fire() -> None:
+    from gpudiag.checks.suite import Here, plan
+
+    here = Here.detect(str(Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_topo.txt"))
+    configs = {name: config for name, config, _ in plan(here, inject=("5->6:nan@3", "0->1:zero"))}
+    assert configs["gradcheck"]["inject"] == ["0->1:zero"]  # world size 2: ranks 0 and 1
+    assert configs["nancheck"]["inject"] == ["5->6:nan@3", "0->1:zero"]
