@@ -1,8 +1,8 @@
 """Entry point of a rank in a fresh interpreter: ``python -m gpudiag.runtime.rank_process
 RANK WORLD BACKEND FOLDER TIMEOUT LOGS PARENT`` (see :mod:`gpudiag.runtime.launch`).
 
-A module of its own, so the rank imports :mod:`gpudiag.runtime.launch` under its real
-name (running ``launch`` itself as ``__main__`` would make a second copy of it)."""
+A module of its own, so the rank imports :mod:`gpudiag.runtime.rank_side` under its real
+name (running that module as ``__main__`` would make a second copy of it)."""
 
 import signal
 import sys
@@ -11,7 +11,7 @@ import sys
 # itself (SIGTERM, then SIGKILL), so a rank ignores it rather than print a traceback.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-from gpudiag.runtime.launch import _rank_main, _RankSpec  # noqa: E402
+from gpudiag.runtime.rank_side import RankSpec, rank_main  # noqa: E402
 
 if __name__ == "__main__":
-    _rank_main(_RankSpec.from_argv(sys.argv[1:]))
+    rank_main(RankSpec.from_argv(sys.argv[1:]))
