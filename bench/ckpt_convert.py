@@ -7,15 +7,16 @@ Generates (once, in DIR, default a temporary folder) a 1 GiB checkpoint: 64 tens
 {"epoch", "model_state_dict", "optimizer_state_dict"}. Then, alternately and --repeats times,
 in fresh processes:
 
-- `cp IN OUT`;
-- `gpudiag ckpt convert IN OUT --force` (strips `module.`, fsyncs, reads back and compares);
+- `cp IN OUT && sync OUT` (the copy and its fsync: convert fsyncs its output too);
+- `gpudiag ckpt convert IN OUT --force` (strips `module.`, checks every record's CRC-32
+  as it copies it, reads the small pickle back by weights-only rules, fsyncs, renames);
 - the naive script: torch.load, a dict comprehension, torch.save (once: it is slow);
 - `python -c "import torch"` for the memory baseline.
 
 Before each timed command the page cache is written back (``os.sync()``, not timed), so no
-command pays for the previous one's dirty pages (cp leaves 1 GiB of them behind; convert
-fsyncs its own). Peak RSS comes from wait4()'s ru_maxrss of each child. Prints the medians and, as its last
-line, `convert/cp wall ratio: R; peak RSS above import torch MiB: M`
+command pays for the previous one's dirty pages. Peak RSS comes from wait4()'s ru_maxrss
+of each child. Prints the medians and, as its last line,
+`convert/(cp+sync) wall ratio: R; peak RSS above import torch MiB: M`
 (targets: R <= 1.5, M <= 128).
 """
 
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CP_SYNC = 'cp "$1" "$2" && sync "$2"'  # sync FILE: fsync of that file (coreutils 8.24+)
 NAIVE = """
 import sys, torch
 ck = torch.load(sys.argv[1], weights_only=True)
@@ -81,21 +83,21 @@ def main() -> None:
     gpudiag = str(Path(sys.executable).parent / "gpudiag")
     runs: dict[str, list[tuple[float, float]]] = {"cp": [], "convert": []}
     for _ in range(args.repeats):
-        runs["cp"].append(run(["cp", str(src), str(folder / "cp.pt")]))
+        runs["cp"].append(run(["sh", "-c", CP_SYNC, "sh", str(src), str(folder / "cp.pt")]))
         runs["convert"].append(run([gpudiag, "ckpt", "convert", str(src), str(folder / "out.pt"), "--force"]))
     naive = run([sys.executable, "-c", NAIVE, str(src), str(folder / "naive.pt")])
     torch_only = run([sys.executable, "-c", "import torch"])
     cp = statistics.median(w for w, _ in runs["cp"])
     conv = statistics.median(w for w, _ in runs["convert"])
     conv_rss = max(r for _, r in runs["convert"])
-    print(f"cp: median {cp:.2f} s")
+    print(f"cp + sync: median {cp:.2f} s")
     print(f"gpudiag ckpt convert: median {conv:.2f} s, peak RSS {conv_rss:.0f} MiB")
     print(f"naive torch.load/torch.save: {naive[0]:.2f} s, peak RSS {naive[1]:.0f} MiB")
     print(f"python -c 'import torch': peak RSS {torch_only[1]:.0f} MiB")
     for name in ("cp.pt", "out.pt", "naive.pt"):
         (folder / name).unlink(missing_ok=True)
     above = conv_rss - torch_only[1]
-    print(f"convert/cp wall ratio: {conv / cp:.2f}; peak RSS above import torch MiB: {above:.0f}")
+    print(f"convert/(cp+sync) wall ratio: {conv / cp:.2f}; peak RSS above import torch MiB: {above:.0f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ Temporary names carry the writer's pid (``.NAME.gpudiag-PID-XXXX.tmp``): the tem
 is removed on every exit path of the process that made it (an exception, Ctrl-C,
 SIGTERM through the CLI's handler), and one left by a run that was killed outright
 (SIGKILL, power loss) is removed by the next run that writes the same target.
+
+Permissions are those ``open()`` and ``mkdir`` — and so ``torch.save`` and ``cp`` — give
+a new file or folder: 0666 (a folder, or an executable, 0777) less the process's umask, so
+``-rw-r--r--`` under the usual umask 0022 (:func:`new_mode`). A target replaced with
+``force`` gets the same: the output is a new file renamed over the old one, so it does not
+keep the old file's mode, as ``torch.save`` and ``cp`` writing into the existing file would.
 """
 
 from __future__ import annotations
@@ -92,6 +98,27 @@ def _kind(path: Path) -> str:
     return "special file"
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``Umask:`` in
+    /proc/self/status, Linux 4.7+); elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def new_mode(*, folder: bool = False) -> int:
+    """The mode ``open()`` (0666) or ``mkdir`` (0777, also for an executable file) gives a
+    new file or folder under this process's umask: 0644 and 0755 under umask 0022."""
+    return (0o777 if folder else 0o666) & ~umask()
+
+
 def temporary_prefix(target: Path) -> str:
     """The name every temporary for ``target`` starts with, this process's pid in it."""
     return f".{target.name}.{_TAG}-{os.getpid()}-"
@@ -134,7 +161,8 @@ def _running(pid: int) -> bool:
 
 
 def temporary_folder(target: Path, suffix: str = ".tmp") -> Path:
-    """A new private folder beside ``target`` (for staging it), named for cleanup."""
+    """A new private folder (0700, ``mkdtemp``) beside ``target`` for staging it, named
+    for cleanup; a caller that renames it into place gives it :func:`new_mode` first."""
     remove_stale_temporaries(target)
     try:
         return Path(tempfile.mkdtemp(prefix=temporary_prefix(target), suffix=suffix, dir=target.parent))
@@ -145,7 +173,8 @@ def temporary_folder(target: Path, suffix: str = ".tmp") -> Path:
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[BinaryIO]:
     """A binary file to write ``path`` through: a temporary file in the same folder that
-    is fsynced and renamed over ``path`` when the block ends, and removed if it fails."""
+    is fsynced and renamed over ``path`` when the block ends, and removed if it fails.
+    The file gets the mode ``open()`` would give it (:func:`new_mode`), not mkstemp's 0600."""
     target = check_target(path, force=force)
     folder = target.parent
     remove_stale_temporaries(target)
@@ -153,8 +182,11 @@ def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Itera
         fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=folder)
     except OSError as exc:
         raise InputError(f"cannot write in {folder}: {exc.strerror}") from exc
-    os.close(fd)
     try:
+        try:
+            os.fchmod(fd, new_mode())
+        finally:
+            os.close(fd)
         # "r+b", not "w+b": the file is new and empty, and truncating it would make ext4
         # flush it on the first close of any descriptor (auto_da_alloc) — a stall in the
         # middle of a read-back instead of the fsync below, which callers can overlap.

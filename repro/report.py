@@ -33,7 +33,7 @@ from typing import Any
 from gpudiag import __version__
 from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, plan, run_check
 from gpudiag.errors import InputError
-from gpudiag.fileio import check_target, temporary_folder
+from gpudiag.fileio import check_target, new_mode, temporary_folder
 from gpudiag.redact import Redactor
 
 SCHEMA = "gpudiag.report/1"
@@ -264,8 +264,8 @@ def write_bundle(
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(data)
             if name == "repro.py":
-                dest.chmod(0o755)
-        staging.chmod(0o755)
+                dest.chmod(new_mode(folder=True))  # executable: 0777 less the umask, as mkdir
+        staging.chmod(new_mode(folder=True))  # mkdtemp made it 0700; a folder gets mkdir's mode
         if target.exists():  # force: move the old bundle aside only once the new one is complete
             old = temporary_folder(target, ".old")
             os.replace(target, old / "bundle")

@@ -94,6 +94,38 @@ def test_real_torchvision_model_with_model_check(tmp_path: Path) -> None:
     torchvision.models.resnet18(num_classes=10).load_state_dict(torch.load(tmp_path / "o.pt")["state_dict"])
 
 
+def test_inspect_model_verdict_first_keys_summarised_exit_1_when_it_does_not_load(tmp_path: Path) -> None:
+    """A root-level DataParallel state dict of 122 keys: the verdict is on the first lines,
+    the keys are summarised (JSON keeps them all), and not loading into --model is exit 1."""
+    torchvision = pytest.importorskip("torchvision")
+    src, fixed = tmp_path / "dp.pt", tmp_path / "fixed.pt"
+    torch.save(nn.DataParallel(torchvision.models.resnet18(num_classes=10)).state_dict(), src)
+    spec = "torchvision:resnet18?num_classes=10"
+    runner = CliRunner()
+    text = runner.invoke(cli, ["ckpt", "inspect", str(src), "--model", spec])
+    assert text.exit_code == 1, text.output
+    lines = text.output.splitlines()
+    assert lines[0] == f"{src}: torch-zip"
+    assert lines[1] == "  does NOT load strictly into --model as it is; fix: --strip module."
+    assert len(lines) < 15 and "module.layer2.0.conv1.weight" not in text.output
+    assert "keys (122): 'module.conv1.weight', 'module.bn1.weight', 'module.bn1.bias', …" in text.output
+    markdown = runner.invoke(cli, ["ckpt", "inspect", str(src), "--model", spec, "--format", "markdown"])
+    assert markdown.exit_code == 1 and "does NOT load strictly" in markdown.output.splitlines()[4]
+    doc = runner.invoke(cli, ["ckpt", "inspect", str(src), "--model", spec, "--format", "json"])
+    assert doc.exit_code == 1
+    keys = json.loads(doc.output)["state_dicts"][0]["keys"]
+    assert len(keys) == 122 and "module.layer2.0.conv1.weight" in keys
+    bare = runner.invoke(cli, ["ckpt", "inspect", str(src)])
+    assert bare.exit_code == 0
+    assert bare.output.splitlines()[1] == (
+        "  (root): wrapper prefix module. on every key; `gpudiag ckpt convert` strips it"
+    )
+    assert runner.invoke(cli, ["ckpt", "convert", str(src), str(fixed)]).exit_code == 0
+    loads = runner.invoke(cli, ["ckpt", "inspect", str(fixed), "--model", spec])
+    assert loads.exit_code == 0 and loads.output.splitlines()[1] == "  loads strictly into --model as it is"
+    assert inspect(src, model=spec).exit_code() == 1 and inspect(fixed, model=spec).exit_code() == 0
+
+
 def test_compile_and_nested_wrappers_are_peeled(tmp_path: Path) -> None:
     compiled = torch.compile(nn.DataParallel(small()))
     sd = compiled.state_dict()
@@ -228,17 +260,55 @@ def test_full_disk_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.Mo
     real = torchzip._copy_range
     calls = []
 
-    def fills_up(src, dst, offset, size):  # type: ignore[no-untyped-def]
+    def fills_up(src, dst, offset, size, *copier):  # type: ignore[no-untyped-def]
         calls.append(size)
         if len(calls) == 3:  # a few records in, the disk is full
             dst.write(b"\0" * 10)
             raise OSError(28, "No space left on device")
-        return real(src, dst, offset, size)
+        return real(src, dst, offset, size, *copier)
 
     monkeypatch.setattr(torchzip, "_copy_range", fills_up)
     with pytest.raises(OSError, match="No space left"):
         convert(tmp_path / "in.pt", tmp_path / "out.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def test_convert_checks_each_records_crc_as_it_copies_and_reads_nothing_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record's bytes are read once from IN and summed as they are written (records
+    larger than the copy's buffer included); nothing of OUT's data is read back; a record
+    whose bytes do not match IN's CRC-32 stops the copy and leaves nothing."""
+    from gpudiag.repro.checkpoint import torchzip
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"module.{i}.weight": torch.randn(700, 700, generator=g) for i in range(3)}  # 1.9 MiB each
+    torch.save(sd, tmp_path / "in.pt")
+    reads: collections.Counter[str] = collections.Counter()
+    real = os.preadv
+
+    def counted(fd: int, buffers: list, offset: int) -> int:  # type: ignore[type-arg]
+        n = real(fd, buffers, offset)
+        reads[os.readlink(f"/proc/self/fd/{fd}")] += n
+        return n
+
+    monkeypatch.setattr(os, "preadv", counted)
+    assert convert(tmp_path / "in.pt", tmp_path / "out.pt").verified
+    monkeypatch.setattr(os, "preadv", real)
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert all(torch.equal(back[k.removeprefix("module.")], v) for k, v in sd.items())
+    archive = torchzip.open_archive(tmp_path / "in.pt", "in.pt")
+    stored = sum(r.size for r in archive.records if r.name != archive.pickle_name)
+    assert reads.pop(str(tmp_path / "in.pt")) == stored  # each record read once, through the CRC
+    assert not reads, reads  # and no byte of OUT (its temporary) read back
+
+    record = next(r for r in archive.records if r.name.endswith("data/1"))
+    damaged = bytearray((tmp_path / "in.pt").read_bytes())
+    damaged[record.data_offset + record.size // 2] ^= 0x10  # the data, not the CRC the directory holds
+    (tmp_path / "bad.pt").write_bytes(damaged)
+    with pytest.raises(InputError, match=r"bad.pt: record in/data/1 does not match its CRC-32"):
+        convert(tmp_path / "bad.pt", tmp_path / "bad-out.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "in.pt", "out.pt"]
 
 
 @pytest.mark.parametrize(

@@ -175,3 +175,38 @@ def test_doctor_no_bundle_writes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
     assert list(tmp_path.iterdir()) == []
     code, output = run("doctor", "--no-bundle", "-o", "x")
     assert code == 2 and "contradict" in output
+
+
+@pytest.fixture(params=[0o022, 0o027], ids=["umask-022", "umask-027"])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    """An explicit umask for the test, the old one restored after."""
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_outputs_follow_the_umask_as_torch_save_does(umask: int, capture_file: str, tmp_path: Path) -> None:
+    """A converted checkpoint, a machine file, a bundle's zip and a bundle folder get
+    0666 (a folder 0777) less the umask — torch.save's 0644 under 0022, not
+    mkstemp's 0600; a file replaced with --force too."""
+    import torch
+
+    torch.save({"module.w": torch.ones(2)}, tmp_path / "in.pt")
+    file_mode, folder_mode = 0o666 & ~umask, 0o777 & ~umask
+    assert _mode(tmp_path / "in.pt") == file_mode  # what torch.save gives
+    (tmp_path / "out.pt").write_bytes(b"old")
+    (tmp_path / "out.pt").chmod(0o600)  # --force: the umask, not the old file's mode
+    assert run("ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), "--force")[0] == 0
+    machine = tmp_path / "machine.json"
+    assert run("topology", "--from-file", capture_file, "--save-machine", str(machine))[0] == 0
+    assert run("report", "--checks", "env", "-o", str(tmp_path / "b.zip"))[0] == 0
+    assert run("report", "--checks", "env", "-o", str(tmp_path / "bundle"))[0] == 0
+    for path in ("out.pt", "machine.json", "b.zip", "bundle/report.json"):
+        assert _mode(tmp_path / path) == file_mode, (path, oct(_mode(tmp_path / path)))
+    assert _mode(tmp_path / "bundle") == folder_mode

@@ -73,6 +73,15 @@ class InspectResult:
     model: dict[str, Any] | None
     warnings: list[str]
 
+    @property
+    def loads(self) -> bool | None:
+        """Whether the checkpoint loads strictly into ``--model`` as it is; None without one."""
+        return None if self.model is None else bool(self.model.get("loads_strictly"))
+
+    def exit_code(self) -> int:
+        """1 when it does not load strictly into ``--model`` (a problem found), else 0."""
+        return 1 if self.loads is False else 0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": INSPECT_SCHEMA,
@@ -125,6 +134,8 @@ def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bo
                 "prefixes": K.leading_prefixes(keys_list),
                 "first_keys": keys_list[:3],
                 "last_keys": keys_list[-2:],
+                "modules": _modules(keys_list, K.leading_prefixes(keys_list)),
+                "keys": [str(k) for k in keys_list],
                 "has_metadata": getattr(state, "_metadata", None) is not None,
             }
         )
@@ -158,6 +169,17 @@ def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bo
             "arbitrary pickles (gpudiag does not)"
         )
     return InspectResult(str(path), _format_name(loaded), infos, entries, model_info, warnings)
+
+
+def _modules(keys: list[Any], prefixes: list[str]) -> dict[str, int]:
+    """How many keys each top-level name has once the wrapper prefixes are off
+    (``{"conv1": 1, "bn1": 5, "layer1": 30, …}``), in the order they first appear."""
+    strip = "".join(prefixes)
+    counts: dict[str, int] = {}
+    for key in keys:
+        name = str(key).removeprefix(strip).split(".", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _format_name(loaded: Loaded) -> str:

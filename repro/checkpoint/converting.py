@@ -2,13 +2,13 @@
 
 The renaming is planned per state dict (:mod:`.keys`: auto, ``--strip``/``--add``, or the
 one that fits ``--model``), the output written atomically in the input's format or as
-safetensors, and read back and checked (:mod:`.verify`) before it is kept.
+safetensors, and checked (:mod:`.verify`) before it is kept: a torch zip's records by
+their CRC-32 as they are copied, its pickle read back by weights-only rules.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,22 +202,19 @@ def convert(
 
 
 def _write_zip(loaded: Loaded, tree: Any, dst: Path, force: bool) -> str | None:
-    """Write the renamed pickle and copy every record; the reason torch's weights-only
-    load refuses the output (as it refuses the input), or None."""
+    """Write the renamed pickle and copy every record, each record's CRC-32 checked as it
+    is written (:func:`torchzip.rewrite`); then read the output's directory and small
+    pickle back — the pickle by weights-only rules — and compare them with what was
+    meant. The reason torch's weights-only load refuses the output (as it refuses the
+    input), or None. atomic_output fsyncs and renames once this returns."""
     assert loaded.archive is not None
     expected = verify.tensor_map(tree)
     with atomic_output(dst, force=force) as out:
         torchzip.rewrite(loaded.archive, pickles.dumps(tree), out)
         out.flush()
-        # The data goes to disk (fsync) while it is read back from the page cache and
-        # checked: the two overlap, and atomic_output's own fsync finds nothing left to do.
-        # (fsyncing while copying was tried: it slowed the copy more than it saved.)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            synced = pool.submit(os.fsync, out.fileno())
-            written = torchzip.open_archive(Path(out.name), str(dst))
-            torchzip.verify_records(loaded.archive, written, str(dst))
-            refused = verify.read_back(written.pickle, loaded.archive.pickle, expected, dst)
-            synced.result()
+        written = torchzip.open_archive(Path(out.name), str(dst))
+        torchzip.same_records(loaded.archive, written, str(dst))
+        refused = verify.read_back(written.pickle, loaded.archive.pickle, expected, dst)
     return refused
 
 

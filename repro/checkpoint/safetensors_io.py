@@ -66,11 +66,9 @@ def _rename_safetensors(loaded: Any, renamed: dict[str, Any], dst: Path, force: 
     with atomic_output(dst, force=force) as out, open(loaded.path, "rb") as src:
         out.write(_header_bytes(header))
         out_start = out.tell()
-        torchzip._copy_range(src, out, loaded.data_start, size)
+        copied = torchzip._copy_range(src, out, loaded.data_start, size)  # CRC-32 of what was written
         out.flush()
-        if torchzip.crc_of(Path(out.name), out_start, size) != torchzip.crc_of(
-            loaded.path, loaded.data_start, size
-        ):
+        if torchzip.crc_of(Path(out.name), out_start, size) != copied:
             raise InputError(f"{dst}: verification failed: the data section differs from the input's")
 
 
