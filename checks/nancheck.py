@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gpudiag import defaults as D
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
@@ -433,9 +434,9 @@ def conclude(
 def nancheck_spec(
     model: str = "mlp",
     *,
-    input_shape: tuple[int, ...] = (3, 32, 32),
-    num_classes: int = 10,
-    batch_size: int = 8,
+    input_shape: tuple[int, ...] = D.INPUT_SHAPE,
+    num_classes: int = D.NUM_CLASSES,
+    batch_size: int = D.BATCH_SIZE,
     machine_file: str | None = None,
     machine: Topology | None = None,
     input_dtype: str = "float",

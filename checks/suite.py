@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag import defaults as D
 from gpudiag.errors import CannotRunHere, GpudiagError
 from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
@@ -28,32 +29,32 @@ from gpudiag.runtime.faults import can_fire
 CHECKS = ("env", "topology", "peer", "gradcheck", "nancheck")
 STATUSES = ("pass", "explained", "warning", "fail", "skipped", "error")
 #: What the suite runs when nobody says otherwise: small, quick, and telling.
-DEFAULT_GRADCHECK = {
+_BATCH = {
     "model": "mlp",
-    "input_shape": [3, 32, 32],
-    "num_classes": 10,
-    "batch_size": 8,
+    "input_shape": list(D.INPUT_SHAPE),
+    "num_classes": D.NUM_CLASSES,
+    "batch_size": D.BATCH_SIZE,
+}
+DEFAULT_GRADCHECK = {
+    **_BATCH,
     "loss": "ce",
     "strategies": ["single", "dp", "ddp"],
-    "world_size": 2,
+    "world_size": D.WORLD_SIZE,
     "steps": 1,
-    "lr": 0.01,
+    "lr": D.LR,
     "optimizer": "sgd",
     "dtype": "fp32",
     "mode": "auto",
-    "seed": 0,
+    "seed": D.SEED,
     "inject": [],
 }
 DEFAULT_NANCHECK = {
-    "model": "mlp",
-    "input_shape": [3, 32, 32],
-    "num_classes": 10,
-    "batch_size": 8,
+    **_BATCH,
     "pairs": "all",
     "strategy": "dp",
-    "steps": 10,
-    "lr": 0.01,
-    "seed": 0,
+    "steps": D.NANCHECK_STEPS,
+    "lr": D.LR,
+    "seed": D.SEED,
     "inject": [],
 }
 #: The config key that says "on virtual devices laid out like the bundle's machine file".
@@ -313,7 +314,7 @@ def _gradcheck(config: dict[str, Any], here: Here) -> CheckRun:
     from gpudiag.checks.gradcheck import gradcheck_spec
 
     options = dict(config)
-    options["input_shape"] = tuple(options.get("input_shape", (3, 32, 32)))
+    options["input_shape"] = tuple(options.get("input_shape", D.INPUT_SHAPE))
     options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
     options["inject"] = tuple(options.get("inject", ()))
     report = gradcheck_spec(**options)
@@ -336,7 +337,7 @@ def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
     if machine is None and here.cuda_gpus < 1:
         raise CannotRunHere("no CUDA GPU here (nancheck can run on virtual devices with --machine)")
     options = {k: v for k, v in config.items() if k != "machine"}
-    options["input_shape"] = tuple(options.get("input_shape", (3, 32, 32)))
+    options["input_shape"] = tuple(options.get("input_shape", D.INPUT_SHAPE))
     options["inject"] = tuple(options.get("inject", ()))
     report = nancheck_spec(machine=machine, **options)
     report.config["machine"] = config.get("machine")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpudiag.defaults import INPUT_SHAPE, NUM_CLASSES
 from gpudiag.errors import CannotRunHere, InputError, from_user_code
 
 #: Built-in models: name → what it is (all take the input shape and the class count).
@@ -71,7 +72,7 @@ class ModelFactory:
     target: str  # builtin name, torchvision name, file path or module name
     attr: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    input_shape: tuple[int, ...] = (3, 32, 32)
+    input_shape: tuple[int, ...] = INPUT_SHAPE
     num_classes: int = 10
 
     def __call__(self) -> nn.Module:
@@ -126,7 +127,7 @@ def _load_file(path: str) -> Any:
 
 
 def resolve_model(
-    spec: str, input_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10
+    spec: str, input_shape: tuple[int, ...] = INPUT_SHAPE, num_classes: int = NUM_CLASSES
 ) -> ModelFactory:
     """Check ``spec`` and return its factory (nothing is built yet)."""
     text, _, query = spec.partition("?")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gpudiag import defaults as D
 from gpudiag.checks.gradcheck import explain
 from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, mean_of, scaled, tolerance
 from gpudiag.checks.gradcheck.factories import OTHER_RNG_OFFSET, Controlled, OtherRng, Prebuilt
@@ -469,9 +470,9 @@ def _recorders(outcome: Outcome, mode: str) -> dict[str, Recorder]:
 def gradcheck_spec(
     model: str,
     *,
-    input_shape: tuple[int, ...] = (3, 32, 32),
-    num_classes: int = 10,
-    batch_size: int = 8,
+    input_shape: tuple[int, ...] = D.INPUT_SHAPE,
+    num_classes: int = D.NUM_CLASSES,
+    batch_size: int = D.BATCH_SIZE,
     loss: str = "ce",
     input_dtype: str = "float",
     input_range: tuple[float, float] | None = None,
