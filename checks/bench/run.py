@@ -9,8 +9,9 @@ first step (the GPU's ceiling: no data loading).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gpudiag.errors import InputError, naming_model
@@ -157,7 +158,8 @@ def bench(
             )
             note(f"bench: {label}, batch {batch}")
             try:
-                result = run(factory, inputs, targets, config)
+                with _one_thread(kind == "virtual" and strategy != "ddp"):
+                    result = run(factory, inputs, targets, config)
             except RankFailure as exc:
                 case.error = str(exc)
                 cases.append(case)
@@ -189,6 +191,25 @@ def bench(
     return BenchResult(
         cases, explain(cases, os.cpu_count() or 1), config_out, simulated=kind == "virtual", skipped=skipped
     )
+
+
+@contextlib.contextmanager
+def _one_thread(on: bool) -> Iterator[None]:
+    """On virtual devices, single and dp compute on one intra-op thread, as every forked
+    DDP rank does (``gpudiag.runtime.launch``): each virtual device is one core, so the
+    strategies are compared on equal terms (with torch's default threads a loaded 2-core
+    machine ran single 20× slower per sample than two one-thread DDP ranks)."""
+    if not on:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _speedups(cases: list[Case]) -> None:
