@@ -19,7 +19,6 @@ detector is tested and demonstrated without GPUs.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +29,7 @@ from gpudiag import defaults as D
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
+from gpudiag.parsers import parse_pairs
 from gpudiag.progress import note
 from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
@@ -140,23 +140,6 @@ class NancheckReport:
             ],
             "findings": [f.to_json() for f in self.findings],
         }
-
-
-def parse_pairs(text: str, gpus: list[int]) -> list[tuple[int, int]]:
-    """``all`` or ``0-1,5-6`` → sorted pairs of known GPUs."""
-    if text.strip() == "all":
-        return list(itertools.combinations(sorted(gpus), 2))
-    pairs = []
-    for part in text.split(","):
-        a, sep, b = part.strip().partition("-")
-        if not sep or not (a + b).isascii() or not a.isdigit() or not b.isdigit() or a == b:
-            raise InputError(f"bad --pairs {text!r}: expected all or A-B,C-D (e.g. 0-1,5-6)")
-        pair = tuple(sorted((int(a), int(b))))
-        unknown = [g for g in pair if g not in gpus]
-        if unknown:
-            raise InputError(f"--pairs {text!r}: no GPU {', '.join(map(str, unknown))} here (GPUs: {gpus})")
-        pairs.append(pair)
-    return list(dict.fromkeys(pairs))  # type: ignore[arg-type]
 
 
 def _outcome(devices: tuple[int, ...], result: RunResult, strategy: str) -> Outcome:

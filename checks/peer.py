@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from gpudiag.errors import InputError
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.hw.host import HostFacts, Runner, collect
+from gpudiag.parsers import parse_pairs
 from gpudiag.runtime import DeviceSet, RankFailure
 from gpudiag.runtime.faults import FaultPlan, check_fires, corrupt, for_devices
 from gpudiag.runtime.launch import launch
@@ -45,20 +45,6 @@ GPU_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
 VIRTUAL_SIZES = (4 << 10, 64 << 10, 1 << 20)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 ALLREDUCE_ELEMENTS = 1 << 16
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``4K,1M,256M`` → bytes."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().upper().removesuffix("B").removesuffix("I")
-        unit = _UNITS.get(part[-1:], 1)
-        number = part[:-1] if part[-1:] in _UNITS else part
-        if not number.isascii() or not number.isdigit() or int(number) * unit < 8:
-            raise InputError(f"bad --sizes {text!r}: expected sizes like 4K,1M,256M")
-        sizes.append(int(number) * unit)
-    return tuple(sizes)
 
 
 @dataclass
@@ -239,7 +225,6 @@ def peer(
     """Probe the host, then every ordered pair of GPUs (or virtual devices laid out like
     ``machine``, read from ``machine_source``). With no pair to test the verdict is
     ``skipped`` and the report still carries the host probes."""
-    from gpudiag.checks.nancheck import parse_pairs
 
     for spec in inject:
         FaultPlan.parse([spec])

@@ -286,7 +286,8 @@ def _topology(config: dict[str, Any], here: Here) -> CheckRun:
 
 
 def _peer(config: dict[str, Any], here: Here) -> CheckRun:
-    from gpudiag.checks.peer import parse_sizes, peer
+    from gpudiag.checks.peer import peer
+    from gpudiag.parsers import parse_sizes
 
     sizes = config.get("sizes")
     report = peer(

@@ -400,9 +400,9 @@ def peer(
     there are not two GPUs to test (the host probes still run and are shown). With
     --machine the result is simulated on CPU virtual devices.
     """
-    from gpudiag.checks.peer import parse_sizes
     from gpudiag.checks.peer import peer as run_peer
     from gpudiag.hw.sources import read_machine_or_capture
+    from gpudiag.parsers import parse_sizes
     from gpudiag.render import render
 
     machine = read_machine_or_capture(machine_file) if machine_file else None
@@ -586,7 +586,7 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     check_input_range(options["input_dtype"], options["input_range"])
     here = Here.detect(options["machine"])
     if options["pairs"] != "all" and here.gpus:  # without GPUs no check uses pairs
-        from gpudiag.checks.nancheck import parse_pairs
+        from gpudiag.parsers import parse_pairs
 
         parse_pairs(options["pairs"], here.gpus)
     names = options["checks"] or CHECKS

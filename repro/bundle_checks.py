@@ -133,7 +133,7 @@ def _pairs(value: Any) -> str | None:
 
 
 def _sizes(value: Any) -> str | None:
-    from gpudiag.checks.peer import parse_sizes
+    from gpudiag.parsers import parse_sizes
 
     if not isinstance(value, str) or len(value) > 200:
         return f"{_describe(value)} is not a list of sizes like 4K,1M"

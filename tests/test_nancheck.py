@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpudiag.checks.nancheck import Outcome, conclude, parse_pairs
+from gpudiag.checks.nancheck import Outcome, conclude
 from gpudiag.cli import cli
+from gpudiag.parsers import parse_pairs
 
 SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpudiag.checks.peer import conclude, parse_sizes, peer
+from gpudiag.checks.peer import conclude, peer
 from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner, acs_redirects, collect, iommu_mode
 from gpudiag.hw.machine import load_machine
+from gpudiag.parsers import parse_sizes
 
 SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
 
