@@ -189,7 +189,7 @@ def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Itera
             os.close(fd)
         # "r+b", not "w+b": the file is new and empty, and truncating it would make ext4
         # flush it on the first close of any descriptor (auto_da_alloc) — a stall in the
-        # middle of a read-back instead of the fsync below, which callers can overlap.
+        # middle of the caller's work instead of the fsync below, which callers can overlap.
         with open(tmp, "r+b") as out:  # out.name is the temporary path (for reading back)
             yield out
             out.flush()

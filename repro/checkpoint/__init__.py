@@ -8,8 +8,10 @@ that needs other objects is refused unless the caller trusts the file; nothing i
 executed, and the work of reading is bounded whatever the file holds (:mod:`.unpickle`).
 The input is never modified and the output may not be the input; the output is written
 to a temporary file in its folder, fsynced and renamed, never over an existing file
-without ``force``, and read back — by the rules of ``torch.load(weights_only=True)`` —
-and compared with the input before it is kept (:mod:`.converting`, :mod:`.verify`).
+without ``force``, with the mode ``torch.save`` would give it (0666 less the umask); each
+copied record's bytes are checked against the input's CRC-32 as they are written, and the
+small pickle is read back — by the rules of ``torch.load(weights_only=True)`` — and
+compared with the input before it is kept (:mod:`.converting`, :mod:`.verify`).
 
 Speed: renaming keys of a torch zip checkpoint rewrites only its small pickle and copies
 every tensor record byte for byte (:mod:`.torchzip`); safetensors get a new header and
