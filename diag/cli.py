@@ -431,12 +431,16 @@ def ckpt() -> None:
     "--trust-checkpoint", "trust", is_flag=True, help="Allow arbitrary pickled objects (runs code!)."
 )
 @format_option(("text", "json", "markdown"))
-def ckpt_inspect(path: str, model: str | None, trust: bool, fmt: str) -> None:
-    """Show the format, state dicts, wrapper prefixes and other entries of a checkpoint."""
+@click.pass_context
+def ckpt_inspect(ctx: click.Context, path: str, model: str | None, trust: bool, fmt: str) -> None:
+    """Show the format, state dicts, wrapper prefixes and other entries of a checkpoint.
+    With --model: exit 1 when it does not load strictly into it."""
     from gpudiag.render import render
     from gpudiag.repro.checkpoint import inspect
 
-    render("ckpt_inspect", inspect(path, model=model, trust=trust), fmt, sys.stdout)
+    result = inspect(path, model=model, trust=trust)
+    render("ckpt_inspect", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())
 
 
 @ckpt.command("convert")
@@ -666,6 +670,101 @@ def replay(ctx: click.Context, bundle: str, trust_bundle: bool, fmt: str) -> Non
     with shown():
         result = run_replay(read_bundle(bundle), trust=trust_bundle)
     render("replay", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())
+
+
+def _counts(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """``1,2,4,8`` → (1, 2, 4, 8); None: what the machine has."""
+    return None if value is None else _dims(ctx, param, value)
+
+
+def _dtypes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in value.split(",") if s.strip())
+    if not names or any(n not in ("fp32", "bf16", "fp16") for n in names):
+        raise click.BadParameter(f"expected a list of fp32, bf16, fp16; got {value!r}", ctx=ctx, param=param)
+    return names
+
+
+@cli.command()
+@click.option("--model", metavar="SPEC", help="As for gradcheck (required unless --compare).")
+@click.option("--input-shape", default="3,32,32", show_default=True, callback=_dims, metavar="DIMS")
+@input_options
+@click.option("--num-classes", default=10, show_default=True, type=click.IntRange(1))
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--per-gpu/--global",
+    "per_gpu",
+    default=True,
+    show_default=True,
+    help="--batch-size per GPU (the global batch grows with the GPUs) or in total (split over them).",
+)
+@click.option("--strategies", default="single,dp,ddp", show_default=True, callback=_strategies)
+@click.option(
+    "--gpus",
+    default=None,
+    callback=_counts,
+    metavar="N,…",
+    help="GPU counts for dp/ddp (default: 2,4,8 up to what there is).",
+)
+@click.option(
+    "--dtype", "dtypes", default="fp32", show_default=True, callback=_dtypes, metavar="fp32,bf16,fp16"
+)
+@click.option("--data", default="synthetic", show_default=True, type=click.Choice(["synthetic"]))
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(2), help="Timed steps.")
+@click.option(
+    "--warmup", default=3, show_default=True, type=click.IntRange(1), help="Steps run first and not timed."
+)
+@click.option(
+    "--machine",
+    "machine",
+    metavar="FILE",
+    help="Run on CPU virtual devices laid out like this machine file or capture (no GPU needed).",
+)
+@click.option("--timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("-o", "output", metavar="FILE", help="Also write the result as JSON (gpudiag.bench/1) to FILE.")
+@click.option("--force", is_flag=True, help="Replace an existing -o FILE.")
+@click.option("--compare", nargs=2, metavar="BEFORE AFTER", help="Compare two -o files instead of measuring.")
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def bench(
+    ctx: click.Context,
+    fmt: str,
+    output: str | None,
+    force: bool,
+    compare: tuple[str, str] | None,
+    per_gpu: bool,
+    **options: Any,
+) -> None:
+    """Measure samples/s, step time and phases of single, DataParallel and DDP, and say why
+    one is slower than it should be. On CPU virtual devices the figures are simulated.
+
+    Exit 0 measured (findings are warnings), 1 a case failed, 2 bad input.
+    """
+    from gpudiag.render import render
+
+    if compare:
+        from gpudiag.checks.bench import compare_files
+
+        render("bench", compare_files(*compare), fmt, sys.stdout)
+        return
+    if not options["model"]:
+        raise click.UsageError("--model is required (or --compare BEFORE AFTER)")
+    if output:
+        from gpudiag.fileio import check_target
+
+        check_target(output, force=force)
+    from gpudiag.checks.bench import bench as run_bench
+    from gpudiag.progress import shown
+
+    with shown():
+        result = run_bench(options.pop("model"), convention="per_gpu" if per_gpu else "global", **options)
+    if output:
+        import json
+
+        from gpudiag.fileio import atomic_write
+
+        atomic_write(output, json.dumps(result.to_json(), indent=2) + "\n", force=force)
+    render("bench", result, fmt, sys.stdout)
     ctx.exit(result.exit_code())
 
 

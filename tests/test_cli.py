@@ -177,9 +177,15 @@ def test_save_machine_refuses_to_overwrite_and_leaves_input_alone(tmp_path: Path
 
 
 def test_debug_shows_the_traceback() -> None:
-    result = CliRunner().invoke(cli, ["--debug", "topology", "--from-file", "/nonexistent"])
-    assert result.exit_code != 0
-    assert result.exception is not None
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "gpudiag", "topology", "--from-file", "/nonexistent"]
+    plain = subprocess.run(argv, capture_output=True, text=True)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+    debug = subprocess.run([*argv[:3], "--debug", *argv[3:]], capture_output=True, text=True)
+    assert debug.returncode != 0
+    assert "Traceback (most recent call last)" in debug.stderr and "InputError" in debug.stderr
 
 
 def test_names_with_brackets_are_printed_literally(tmp_path: Path) -> None:
