@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-TYPED  := diag/hw diag/topology diag/render diag/runtime diag/cli.py diag/errors.py diag/findings.py \
+TYPED  := diag/hw diag/topology diag/render diag/runtime diag/cli diag/errors.py diag/findings.py \
           diag/fileio.py diag/progress.py diag/models.py diag/redact.py checks/gradcheck checks/env.py
 
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).

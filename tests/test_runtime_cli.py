@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from gpudiag.cli import runtime_options
+from gpudiag.cli.options import runtime_options
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from tests import models
 

@@ -1,0 +1,130 @@
+"""``gpudiag report``, ``doctor`` and ``replay``: the checks as one suite, and bundles."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from gpudiag.cli.group import cli
+from gpudiag.cli.options import format_option, suite_options
+
+
+def _progress(total: int) -> Any:
+    """Progress on stderr: one line per check as it starts and as it ends."""
+    done = [0]
+
+    def report(name: str, event: str, run: Any) -> None:
+        if event == "start":
+            click.echo(f"[{done[0] + 1}/{total}] {name} …", err=True)
+        else:
+            done[0] += 1
+            click.echo(f"[{done[0]}/{total}] {name}: {run.status} ({run.seconds:.1f} s)", err=True)
+
+    return report
+
+
+def _run_suite(kind: str, options: dict[str, Any]) -> Any:
+    """Check the inputs, run the checks, write the bundle: the body of report and doctor."""
+    import datetime
+
+    from gpudiag.checks.suite import CHECKS, Here
+    from gpudiag.models import check_input_range, resolve_model
+    from gpudiag.redact import Redactor
+    from gpudiag.render import render
+    from gpudiag.repro.report import check_destination, run_report, write_bundle
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    bundle = not options.get("no_bundle")
+    if not bundle and options["output"]:
+        raise click.UsageError("--no-bundle and --output contradict each other: choose one")
+    output = options["output"] or f"gpudiag-report-{stamp}"
+    if bundle:
+        check_destination(output, options["force"])
+    if options["model"]:
+        resolve_model(options["model"])
+    check_input_range(options["input_dtype"], options["input_range"])
+    here = Here.detect(options["machine"])
+    if options["pairs"] != "all" and here.gpus:  # without GPUs no check uses pairs
+        from gpudiag.parsers import parse_pairs
+
+        parse_pairs(options["pairs"], here.gpus)
+    names = options["checks"] or CHECKS
+    report = run_report(
+        here,
+        names,
+        model=options["model"],
+        inject=tuple(options["inject"]),
+        pairs=options["pairs"],
+        anonymize=options["anonymize"],
+        progress=_progress(len(names)),
+        argv=["gpudiag", *sys.argv[1:]],
+        inputs={
+            "input_shape": None if options["input_shape"] is None else list(options["input_shape"]),
+            "input_dtype": None if options["input_dtype"] == "float" else options["input_dtype"],
+            "input_range": None if options["input_range"] is None else list(options["input_range"]),
+        },
+    )
+    if bundle:
+        redactor = Redactor(anonymize=options["anonymize"])
+        report.bundle_path = str(write_bundle(report, output, redactor=redactor, force=options["force"]))
+    render(kind, report, options["fmt"], sys.stdout)
+    return report
+
+
+@cli.command()
+@suite_options
+@click.pass_context
+def report(ctx: click.Context, **options: Any) -> None:
+    """Run the checks and write a bug-report bundle a maintainer can reproduce.
+
+    The bundle (a folder, or a .zip) holds report.json, REPORT.md to paste into an issue,
+    repro.py (torch only) for each failing check, traces and per-rank logs; secrets never
+    reach it. Exit 1 when a check fails.
+    """
+    ctx.exit(_run_suite("report", options).exit_code())
+
+
+@cli.command()
+@suite_options
+@click.option("--no-bundle", is_flag=True, help="Only the summary: write no report bundle.")
+@click.pass_context
+def doctor(ctx: click.Context, **options: Any) -> None:
+    """Start here: find what this machine has, run every check that applies, summarise.
+
+    Prints a table (check, status, headline finding), says what was skipped and why, and
+    writes a report bundle. Without GPUs it runs what it can (gradcheck on CPU virtual
+    devices and gloo, env, host probes); --machine FILE diagnoses a GPU machine from its
+    capture. Exit 1 when a check fails.
+    """
+    ctx.exit(_run_suite("doctor", options).exit_code())
+
+
+@cli.command()
+@click.argument("bundle")
+@click.option(
+    "--trust-bundle",
+    is_flag=True,
+    help="Also run code the bundle names (a --model that is a Python file or module). "
+    "Without it such checks are skipped and the reason says what would run.",
+)
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def replay(ctx: click.Context, bundle: str, trust_bundle: bool, fmt: str) -> None:
+    """Re-run a bundle's checks here and compare with what the reporter saw.
+
+    Built-in models and torchvision architectures run; a model that is code the bundle
+    names runs only with --trust-bundle. A check that cannot run here is skipped with the
+    reason. Exit 0 when the results match, 1 when they differ, 2 for a damaged, oversized
+    or malformed bundle or one from a newer gpudiag.
+    """
+    from gpudiag.progress import shown
+    from gpudiag.render import render
+    from gpudiag.repro.replay import replay as run_replay
+    from gpudiag.repro.report import read_bundle
+
+    with shown():
+        result = run_replay(read_bundle(bundle), trust=trust_bundle)
+    render("replay", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())

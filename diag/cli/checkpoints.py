@@ -1,0 +1,61 @@
+"""``gpudiag ckpt inspect|convert``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from gpudiag.cli.group import cli
+from gpudiag.cli.options import format_option
+
+
+@cli.group()
+def ckpt() -> None:
+    """Inspect checkpoints and repair DataParallel/DDP/compile key prefixes, safely."""
+
+
+@ckpt.command("inspect")
+@click.argument("path")
+@click.option(
+    "--model", metavar="SPEC", help="Check that it loads strictly into this model (as for gradcheck)."
+)
+@click.option(
+    "--trust-checkpoint", "trust", is_flag=True, help="Allow arbitrary pickled objects (runs code!)."
+)
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def ckpt_inspect(ctx: click.Context, path: str, model: str | None, trust: bool, fmt: str) -> None:
+    """Show the format, state dicts, wrapper prefixes and other entries of a checkpoint.
+    With --model: exit 1 when it does not load strictly into it."""
+    from gpudiag.render import render
+    from gpudiag.repro.checkpoint import inspect
+
+    result = inspect(path, model=model, trust=trust)
+    render("ckpt_inspect", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())
+
+
+@ckpt.command("convert")
+@click.argument("src", metavar="IN")
+@click.argument("dst", metavar="OUT")
+@click.option(
+    "--model", metavar="SPEC", help="Choose the renaming that makes the keys load strictly into it."
+)
+@click.option("--strip", multiple=True, metavar="PREFIX", help="Strip this leading prefix (repeatable).")
+@click.option("--add", metavar="PREFIX", help="Add this prefix to every key (e.g. module.).")
+@click.option("--to", type=click.Choice(["pt", "safetensors"]), help="Output format (default: the input's).")
+@click.option("--dry-run", is_flag=True, help="Print the key mapping; write nothing.")
+@click.option(
+    "--trust-checkpoint", "trust", is_flag=True, help="Allow arbitrary pickled objects (runs code!)."
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing OUT.")
+@format_option(("text", "json", "markdown"))
+def ckpt_convert(src: str, dst: str, fmt: str, trust: bool, **options: Any) -> None:
+    """Rename checkpoint keys: auto-peel module./_orig_mod./… or as told. IN is never changed."""
+    from gpudiag.render import render
+    from gpudiag.repro.checkpoint import convert
+
+    options["strip"] = list(options["strip"])
+    render("ckpt_convert", convert(src, dst, trust=trust, **options), fmt, sys.stdout)

@@ -1,0 +1,224 @@
+"""Every option more than one command takes, defined once, and the callbacks that
+check option values while click parses them (without importing torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from gpudiag import defaults as D
+
+
+def format_option(formats: tuple[str, ...]) -> Any:
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(formats),
+        default="text",
+        show_default=True,
+        help="Output format.",
+    )
+
+
+def parse_injections(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    if not values:
+        return values  # (the runtime imports torch: not before the command needs it)
+    from gpudiag.runtime.faults import InjectSpecError, parse_fault
+
+    for value in values:
+        try:
+            parse_fault(value)
+        except InjectSpecError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return values
+
+
+def runtime_options(command: Any) -> Any:
+    """``--inject SPEC`` (repeatable), ``--trace FILE`` and ``--timeout`` for every command that runs the
+    instrumented runtime (grammar: ``docs/runtime.md``)."""
+    command = click.option(
+        "--timeout",
+        default=D.TIMEOUT_S,
+        show_default=True,
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        help="Deadline for each phase (the reference, each strategy, the ranks): what is still "
+        "running then is stopped and named.",
+    )(command)
+    command = click.option(
+        "--trace",
+        metavar="FILE",
+        help="Write what the runtime recorded: Chrome trace JSON (Perfetto), or JSON Lines for *.jsonl.",
+    )(command)
+    return inject_option()(command)
+
+
+def check_trace(trace: str | None) -> None:
+    """Refuse a --trace path gpudiag may not write (a FIFO, a device, a link, a folder)
+    before anything runs. An earlier trace file is replaced."""
+    if trace:
+        from gpudiag.fileio import check_target
+
+        check_target(trace, force=True)
+
+
+def dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """``3,32,32`` → (3, 32, 32), parsed without importing torch (``--help`` and bad
+    arguments answer at once)."""
+    parts = [d.strip() for d in value.split(",")]
+    dims = tuple(int(d) for d in parts) if all(d.isascii() and d.isdigit() for d in parts) else ()
+    if not dims or any(d < 1 for d in dims):
+        raise click.BadParameter(
+            f"bad shape {value!r}: expected positive integers like 3,32,32", ctx=ctx, param=param
+        )
+    return dims
+
+
+def input_range(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> tuple[float, float] | None:
+    """``0,30522`` → (0.0, 30522.0); checked against --input-dtype when the batch is made."""
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    try:
+        lo, hi = (float(p) for p in parts)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected LO,HI, e.g. 0,30522") from None
+    return lo, hi
+
+
+def input_options(command: Any) -> Any:
+    """``--input-dtype`` and ``--input-range``: generated inputs for models that take no
+    float image (token ids: ``--input-dtype long --input-range 0,30522``)."""
+    command = click.option(
+        "--input-range",
+        callback=input_range,
+        metavar="LO,HI",
+        help="Draw inputs from [LO, HI): uniform floats, or integers for long/int (default: normal floats).",
+    )(command)
+    return click.option(
+        "--input-dtype",
+        type=click.Choice(["float", "long", "int"]),
+        default="float",
+        show_default=True,
+        help="Generated inputs' dtype (long/int need --input-range).",
+    )(command)
+
+
+def output_key(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | str | None:
+    """``--output 1`` is a tuple index, anything else a dict key or attribute name."""
+    if value is None:
+        return None
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def strategies_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in value.split(",") if s.strip())
+    bad = [s for s in names if s not in ("single", "dp", "ddp")]
+    if bad or not names:
+        raise click.BadParameter(f"expected a list of single, dp, ddp; got {value!r}", ctx=ctx, param=param)
+    return names
+
+
+def check_names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    from gpudiag.checks.suite import CHECKS
+
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in names if n not in CHECKS]
+    if bad or not names:
+        raise click.BadParameter(
+            f"expected a list of {', '.join(CHECKS)}; got {value!r}", ctx=ctx, param=param
+        )
+    return names
+
+
+def suite_options(command: Any) -> Any:
+    """The options ``report`` and ``doctor`` share."""
+    options = [
+        click.option(
+            "--checks",
+            callback=check_names,
+            metavar="LIST",
+            help="Comma-separated: env, topology, peer, gradcheck, nancheck (default: all that apply here).",
+        ),
+        click.option(
+            "-o",
+            "--output",
+            metavar="PATH",
+            help="Bundle to write: a folder, or a .zip (default: gpudiag-report-<UTC time> here).",
+        ),
+        click.option("--force", is_flag=True, help="Replace an existing bundle at PATH."),
+        click.option(
+            "--anonymize", is_flag=True, help="Also mask host names, IP addresses, user names, MASTER_ADDR."
+        ),
+        machine_option(
+            "machine",
+            "A machine file or `nvidia-smi topo -m` capture: run topology, peer and nancheck on "
+            "virtual devices laid out like it (no GPU needed).",
+        ),
+        click.option("--model", metavar="SPEC", help="Model for gradcheck and nancheck (default: mlp)."),
+        input_shape_option(
+            None, f"One sample's shape for gradcheck and nancheck (default: {D.shape_text()})."
+        ),
+        input_options,
+        pairs_option("GPU pairs for peer and nancheck (all pairs can take long on many GPUs)."),
+        inject_option("Inject a fault into every check that moves tensors: SRC->DST:KIND[@STEP][xCOUNT]."),
+        format_option(("text", "json", "markdown")),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def gpu_counts(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """``1,2,4,8`` → (1, 2, 4, 8); None: what the machine has."""
+    return None if value is None else dims(ctx, param, value)
+
+
+def dtype_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in value.split(",") if s.strip())
+    if not names or any(n not in ("fp32", "bf16", "fp16") for n in names):
+        raise click.BadParameter(f"expected a list of fp32, bf16, fp16; got {value!r}", ctx=ctx, param=param)
+    return names
+
+
+#: What --machine means for every command that takes it.
+MACHINE_HELP = "Run on CPU virtual devices laid out like this machine file or capture (no GPU needed)."
+INJECT_HELP = "Inject a fault: SRC->DST:KIND[@STEP][xCOUNT], KIND nan|inf|zero|bitflip|scale=F (repeatable)."
+
+
+def machine_option(dest: str = "machine_file", text: str = MACHINE_HELP) -> Any:
+    """``--machine FILE``: a machine file or an ``nvidia-smi topo -m`` capture (or a bundled
+    example by name), the same for every command."""
+    return click.option("--machine", dest, metavar="FILE", help=text)
+
+
+def inject_option(text: str = INJECT_HELP) -> Any:
+    """``--inject SPEC`` (repeatable), checked while options are parsed."""
+    return click.option(
+        "--inject", "inject", multiple=True, metavar="SPEC", callback=parse_injections, help=text
+    )
+
+
+def pairs_option(text: str = "GPU pairs to run on.") -> Any:
+    """``--pairs all|A-B,…``: which GPU pairs (checked against the GPUs when the command runs)."""
+    return click.option("--pairs", default="all", show_default=True, metavar="all|A-B,…", help=text)
+
+
+def input_shape_option(
+    default: tuple[int, ...] | None = D.INPUT_SHAPE,
+    text: str = "One sample's shape, without the batch dimension.",
+) -> Any:
+    """``--input-shape DIMS`` (``3,32,32``); a None default leaves it to the checks."""
+    return click.option(
+        "--input-shape",
+        default=None if default is None else D.shape_text(default),
+        show_default=default is not None,
+        callback=lambda ctx, param, value: None if value is None else dims(ctx, param, value),
+        metavar="DIMS",
+        help=text,
+    )
