@@ -10,7 +10,7 @@ from typing import Any
 
 from gpudiag.checks.suite import MACHINE_FILE
 from gpudiag.errors import InputError
-from gpudiag.repro.report import Bundle
+from gpudiag.repro.bundle import Bundle
 
 #: Bounds on what a bundle may ask replay to run (a bundle is someone else's input).
 LIMITS = {

@@ -26,8 +26,8 @@ from typing import Any
 
 from gpudiag.checks.suite import CheckRun, Here, run_check
 from gpudiag.progress import note
+from gpudiag.repro.bundle import Bundle
 from gpudiag.repro.bundle_checks import check_configs
-from gpudiag.repro.report import Bundle
 
 SCHEMA = "gpudiag.replay/1"
 #: Relative slack on gradcheck's norm ratio where both runs differ from single.

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gpudiag.checks.suite import Here, command_line, plan, run_check
 from gpudiag.cli import cli
-from gpudiag.repro.report import read_bundle
+from gpudiag.repro.bundle import read_bundle
 from gpudiag.repro.scripts import repro_script
 from gpudiag.runtime.launch import launch, rank_logs
 

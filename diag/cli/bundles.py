@@ -121,8 +121,8 @@ def replay(ctx: click.Context, bundle: str, trust_bundle: bool, fmt: str) -> Non
     """
     from gpudiag.progress import shown
     from gpudiag.render import render
+    from gpudiag.repro.bundle import read_bundle
     from gpudiag.repro.replay import replay as run_replay
-    from gpudiag.repro.report import read_bundle
 
     with shown():
         result = run_replay(read_bundle(bundle), trust=trust_bundle)
