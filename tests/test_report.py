@@ -571,7 +571,7 @@ def test_replay_runs_no_code_the_bundle_names(tmp_path: Path) -> None:
 
 def test_replay_reads_bundles_within_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 16: a zip bomb was read into memory whole. Sizes are checked before reading."""
-    import gpudiag.repro.report as report_module
+    import gpudiag.repro.bundle as bundle_module
 
     report = json.dumps({"schema": "gpudiag.report/1", "checks": []}).encode()
     bomb = tmp_path / "bomb.zip"
@@ -605,8 +605,8 @@ def test_replay_reads_bundles_within_limits(tmp_path: Path, monkeypatch: pytest.
     crowded = write_doc(tmp_path / "crowded", [])
     for i in range(5):
         (crowded / f"{i}.log").write_text("x")
-    monkeypatch.setattr(report_module, "MAX_FILE_BYTES", (1 << 20) - 1)
-    monkeypatch.setattr(report_module, "MAX_FILES", 4)
+    monkeypatch.setattr(bundle_module, "MAX_FILE_BYTES", (1 << 20) - 1)
+    monkeypatch.setattr(bundle_module, "MAX_FILES", 4)
     for path, message in {big: "trace.json holds 1048576 bytes", crowded: "more than 4 files"}.items():
         result = CliRunner().invoke(cli, ["replay", str(path)])
         assert result.exit_code == 2 and message in result.output, (path, result.output)
