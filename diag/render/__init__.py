@@ -29,6 +29,8 @@ FORMATS = {
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
 #: Kinds whose renderers for every format live in one module of their own.
 OWN_MODULE: dict[str, str] = {"bench": "gpudiag.render.bench"}
+#: Kinds whose renderer for one format lives in a module of its own: format → kind → module.
+SPLIT = {"text": {kind: "text_suite" for kind in ("report", "doctor", "replay")}}
 
 
 def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
@@ -43,7 +45,7 @@ def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
     if kind in OWN_MODULE:
         getattr(importlib.import_module(OWN_MODULE[kind]), fmt)(result, stream)
         return
-    module = importlib.import_module(f"gpudiag.render.{_MODULES[fmt]}")
+    module = importlib.import_module(f"gpudiag.render.{SPLIT.get(fmt, {}).get(kind, _MODULES[fmt])}")
     getattr(module, kind)(result, stream)
 
 

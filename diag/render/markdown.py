@@ -151,16 +151,16 @@ def nancheck(report: Any, stream: TextIO) -> None:
 
 
 def ckpt_inspect(result: Any, stream: TextIO) -> None:
-    from gpudiag.render.text import _ckpt_lines
+    from gpudiag.render.ckpt_lines import ckpt_lines
 
-    stream.write("## Checkpoint\n\n```\n" + "\n".join(_ckpt_lines("inspect", result.to_json())) + "\n```\n")
+    stream.write("## Checkpoint\n\n```\n" + "\n".join(ckpt_lines("inspect", result.to_json())) + "\n```\n")
 
 
 def ckpt_convert(result: Any, stream: TextIO) -> None:
-    from gpudiag.render.text import _ckpt_lines
+    from gpudiag.render.ckpt_lines import ckpt_lines
 
     stream.write(
-        "## Checkpoint conversion\n\n```\n" + "\n".join(_ckpt_lines("convert", result.to_json())) + "\n```\n"
+        "## Checkpoint conversion\n\n```\n" + "\n".join(ckpt_lines("convert", result.to_json())) + "\n```\n"
     )
 
 
@@ -188,6 +188,6 @@ doctor = report
 
 
 def replay(report: Any, stream: TextIO) -> None:
-    from gpudiag.render.text import replay_lines
+    from gpudiag.render.text_suite import replay_lines
 
     stream.write("## gpudiag replay\n\n```\n" + "\n".join(replay_lines(report)) + "\n```\n")

@@ -6,6 +6,7 @@ import io
 import os
 from typing import Any, TextIO
 
+from gpudiag.render.ckpt_lines import ckpt_lines
 from gpudiag.topology.model import GpuPair, link_rank, path_of
 
 #: Colour per path class, best (green) to worst (red).
@@ -218,7 +219,7 @@ def _gradcheck(out: Any, report: Any) -> None:
         f" · {cfg['dtype']} · loss {cfg['loss']} · {cfg['steps']} step(s)"
     )
     if report.simulation:
-        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
+        out.print(f"[yellow]{escape(capitalised(report.simulation))}[/yellow]")
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report.settings.items())
     out.print(
         f"tolerance: relative norm error ≤ {report.tolerance['rel_norm_err']:.3g} "
@@ -286,7 +287,7 @@ def _nancheck(out: Any, report: Any) -> None:
         + (f"virtual devices of {cfg.get('machine')}" if cfg.get("devices") == "virtual" else "CUDA devices")
     )
     if report.simulation:
-        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
+        out.print(f"[yellow]{escape(capitalised(report.simulation))}[/yellow]")
     singles = {o.devices[0]: o for o in report.singles}
     pairs = {o.devices: o for o in report.pairs}
     gpus = sorted(set(singles) | {g for p in pairs for g in p})
@@ -336,101 +337,11 @@ def _nancheck(out: Any, report: Any) -> None:
         out.print(f"\nEvery {what} trained without non-finite values or explosion{simulated}.")
 
 
-def _ckpt_lines(kind: str, doc: dict[str, Any]) -> list[str]:
-    """Plain lines shared by the text and markdown views of ckpt results."""
-    lines = []
-    if kind == "inspect":
-        lines += _ckpt_inspect_lines(doc)
-        lines += [f"  warning: {w}" for w in doc["warnings"]]
-    else:
-        verb = "would write" if doc["dry_run"] else "wrote"
-        lines.append(f"{doc['src']} ({doc['format_in']}) -> {doc['dst']} ({doc['format_out']}): {verb}")
-        for m in doc["mappings"]:
-            how = " ".join([*(f"strip {p}" for p in m["strip"]), *([f"add {m['add']}"] if m["add"] else [])])
-            lines.append(
-                f"  {m['state_dict']}: {m['changed']} of {m['keys']} keys renamed ({how or 'unchanged'})"
-            )
-            lines.append(f"    first: {m['first'][0]!r} -> {m['first'][1]!r}")
-            lines.append(f"    last:  {m['last'][0]!r} -> {m['last'][1]!r}")
-        if doc["sidecar"]:
-            lines.append(f"  sidecar: {doc['sidecar']} (the other entries' plain values; tensors named only)")
-        if doc["verified"] and doc["format_out"] == "safetensors":
-            lines.append("  verified: read back, every tensor written matches the input")
-        elif doc["verified"]:
-            lines.append(
-                "  verified: read back as torch.load(weights_only=True) reads it; every tensor, "
-                "and which tensors share storage, matches the input"
-            )
-        lines += [f"  note: {n}" for n in doc["notes"]]
-    return lines
-
-
-def _ckpt_inspect_lines(doc: dict[str, Any]) -> list[str]:
-    """The verdict first (the format; whether it loads into --model, or the wrapper
-    prefix to strip), then each state dict with its keys summarised, then the other entries
-    (``--format json`` has every key)."""
-    lines = [f"{doc['path']}: {doc['format']}"]
-    m = doc["model"]
-    if m is not None:
-        fix = m.get("transformation")
-        if m.get("loads_strictly"):
-            lines.append("  loads strictly into --model as it is")
-        else:
-            how = f"fix: {fix}" if fix else "no renaming of prefixes makes it load"
-            lines.append(f"  does NOT load strictly into --model as it is; {how}")
-        for what in ("missing", "unexpected"):
-            if m.get(what):
-                lines.append(f"    {len(m[what])} {what}, e.g. {m[what][:3]}")
-        for mismatch in (m.get("shape_mismatches") or [])[:3]:
-            lines.append(
-                f"    shape {mismatch['key']}: checkpoint {mismatch['checkpoint']}, model {mismatch['model']}"
-            )
-    else:
-        for sd in doc["state_dicts"]:
-            prefixes = "".join(sd["prefixes"])
-            lines.append(
-                f"  {sd['path']}: wrapper prefix {prefixes} on every key; `gpudiag ckpt convert` strips it"
-                if prefixes
-                else f"  {sd['path']}: no wrapper prefix on its keys"
-            )
-        if not doc["state_dicts"]:
-            lines.append("  no model state dict found")
-    root = any(sd["path"] == "(root)" for sd in doc["state_dicts"])
-    for sd in doc["state_dicts"]:
-        dtypes = ", ".join(f"{k} x{v}" for k, v in sd["dtypes"].items())
-        prefixes = "".join(sd["prefixes"]) or "none"
-        lines.append(
-            f"  state dict {sd['path']}: {sd['tensors']} tensors, {sd['bytes'] / 2**20:.1f} MiB "
-            f"({dtypes}); wrapper prefix {prefixes}"
-        )
-        lines += _keys_summary(sd)
-    for e in [] if root else doc["entries"]:  # a root state dict's entries are its keys
-        if e["kind"] != "model state dict":
-            value = f" = {e['value']!r}" if e["value"] is not None else ""
-            lines.append(f"  {e['key']}: {e['kind']}{value}")
-    return lines
-
-
-def _keys_summary(sd: dict[str, Any]) -> list[str]:
-    """A state dict's keys in two lines: how many, the first and last few, and the
-    top-level names under the wrapper prefix with their counts."""
-    keys = sd.get("keys") or [*sd["first_keys"], *sd["last_keys"]]
-    count = len(keys)
-    shown = [repr(k) for k in keys] if count <= 6 else [*map(repr, keys[:3]), "…", *map(repr, keys[-2:])]
-    lines = [f"    keys ({count}): " + ", ".join(shown)]
-    modules = sd.get("modules") or {}
-    if len(modules) > 1:
-        names = [f"{name} x{n}" for name, n in modules.items()]
-        more = f", … ({len(names)} in all)" if len(names) > 8 else ""
-        lines.append("    top-level names: " + ", ".join(names[:8]) + more)
-    return lines
-
-
 def ckpt_inspect(result: Any, stream: TextIO) -> None:
     with text_console(stream) as out:
         from rich.markup import escape
 
-        for line in _ckpt_lines("inspect", result.to_json()):
+        for line in ckpt_lines("inspect", result.to_json()):
             out.print(escape(line))
 
 
@@ -438,7 +349,7 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
     with text_console(stream) as out:
         from rich.markup import escape
 
-        for line in _ckpt_lines("convert", result.to_json()):
+        for line in ckpt_lines("convert", result.to_json()):
             out.print(escape(line))
 
 
@@ -477,7 +388,7 @@ def _simulated(report: Any) -> str:
     return " (simulated)" if getattr(report, "simulated", False) else ""
 
 
-def _upper(sentence: str) -> str:
+def capitalised(sentence: str) -> str:
     return sentence[:1].upper() + sentence[1:]
 
 
@@ -494,90 +405,3 @@ def env(report: Any, stream: TextIO) -> None:
     from gpudiag.render.env_lines import env_lines
 
     stream.write("\n".join(env_lines(report.to_json())) + "\n")
-
-
-SUITE_STYLE = {
-    "pass": "green",
-    "explained": "yellow",
-    "warning": "yellow",
-    "fail": "bold red",
-    "skipped": "dim",
-    "error": "bold magenta",
-}
-
-
-def report(report: Any, stream: TextIO) -> None:
-    with text_console(stream) as out:
-        _suite(out, report, doctor=False)
-
-
-def doctor(report: Any, stream: TextIO) -> None:
-    with text_console(stream) as out:
-        _suite(out, report, doctor=True)
-
-
-def _suite(out: Any, report: Any, doctor: bool) -> None:
-    """The summary table of a report or doctor run, what was skipped, the findings, the bundle."""
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
-
-    here = report.here
-    where = f"{here.cuda_gpus} CUDA GPU(s)"
-    if here.machine is not None:
-        where += f"; virtual devices laid out like {escape(str(here.machine_source))}"
-    if report.rehearsal:
-        out.print(f"[bold yellow]{escape(_upper(report.rehearsal))}[/bold yellow]")
-    out.print(f"[bold]gpudiag {'doctor' if doctor else 'report'}[/bold] · {where}")
-    if report.simulation:
-        out.print(f"[yellow]{escape(_upper(report.simulation))}[/yellow]")
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("check", "status", "headline", "time"):
-        table.add_column(column)
-    for c in report.checks:
-        style = SUITE_STYLE.get(c.status, "")
-        status = f"[{style}]{c.status}[/{style}]" + (" (simulated)" if c.shown_status != c.status else "")
-        table.add_row(c.name, status, escape(c.headline), f"{c.seconds:.1f} s")
-    out.print(table)
-    skipped = [(c.name, c.headline) for c in report.checks if c.status == "skipped"]
-    skipped += [(c.name, s) for c in report.checks for s in c.skipped]
-    if skipped:
-        out.print("[bold]Skipped[/bold]")
-        for name, why in skipped:
-            out.print(f"  {name}: {escape(why)}")
-    problems = [f for c in report.checks for f in c.findings if f.severity != "info"]
-    findings(out, problems, "Findings")
-    if report.bundle_path:
-        out.print(
-            f"\nBundle: {escape(str(report.bundle_path))} — REPORT.md to paste into an issue"
-            + (", repro.py to reproduce with torch alone" if report.failed else "")
-            + f"; `gpudiag replay {escape(str(report.bundle_path))}` re-runs it."
-        )
-    if doctor and here.cuda_gpus == 0 and here.machine is None:
-        out.print(
-            "\nNo GPU here. To diagnose a GPU machine from its capture: run `nvidia-smi topo -m > topo.txt` "
-            "there, then `gpudiag doctor --machine topo.txt` here (nancheck and peer then run, simulated, "
-            "on CPU virtual devices laid out like it)."
-        )
-
-
-def replay_lines(report: Any) -> list[str]:
-    """Plain lines of a replay (text and Markdown views)."""
-    lines = [f"replay of {report.bundle}: {'MATCH' if report.match else 'DIFFERS'}"]
-    if getattr(report, "rehearsal", None):
-        lines.append(f"  the bundle is a {report.rehearsal}")
-    for c in report.checks:
-        here = "not run" if c.here is None else c.here.shown_status
-        state = "match" if c.match and c.compared else ("DIFFERS" if not c.match else "not compared")
-        lines.append(f"  {c.name}: {c.recorded.shown_status} there, {here} here — {state}")
-        if c.note and c.note != "same result":
-            lines.append(f"      {c.note}")
-        lines += [f"      - {d}" for d in c.differences]
-    if report.environment:
-        lines.append("environment differences (there → here):")
-        lines += [f"  {d}" for d in report.environment]
-    return lines
-
-
-def replay(report: Any, stream: TextIO) -> None:
-    stream.write("\n".join(replay_lines(report)) + "\n")
