@@ -67,7 +67,7 @@ class NancheckReport:
     steps: int
     singles: list[Outcome]
     pairs: list[Outcome]
-    links: dict[tuple[int, int], str | None]
+    links: dict[tuple[int, ...], str | None]
     findings: list[Finding]
     topology: Topology | None
     config: dict[str, Any] = field(default_factory=dict)
@@ -315,7 +315,7 @@ def _confirm_and_fix(machine: Topology | None) -> tuple[str, str]:
 def conclude(
     singles: list[Outcome],
     pairs: list[Outcome],
-    links: dict[tuple[int, int], str | None],
+    links: dict[tuple[int, ...], str | None],
     machine: Topology | None,
     strategy: str,
 ) -> list[Finding]:

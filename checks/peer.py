@@ -331,12 +331,13 @@ def conclude(results: list[PairResult], host: HostFacts) -> list[Finding]:
     inverted = [r for r in results if r.bandwidth and r.bandwidth["direct_gbs"] < r.bandwidth["staged_gbs"]]
     if inverted:
         r = inverted[0]
+        speeds = r.bandwidth or {}
         out.append(
             Finding(
                 "p2p-bandwidth-inverted",
                 "warning",
-                f"direct copies {r.src}->{r.dst} ({r.bandwidth['direct_gbs']} GB/s) are slower than copies "
-                f"staged through the host ({r.bandwidth['staged_gbs']} GB/s)",
+                f"direct copies {r.src}->{r.dst} ({speeds['direct_gbs']} GB/s) are slower than copies "
+                f"staged through the host ({speeds['staged_gbs']} GB/s)",
                 {"directions": [[x.src, x.dst, x.bandwidth] for x in inverted]},
                 cause="peer traffic redirected through the root complex (ACS) or translated by an IOMMU",
                 fix=_FIX,

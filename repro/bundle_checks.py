@@ -232,7 +232,7 @@ def _fields() -> dict[str, dict[str, Any]]:
 _REQUIRED = {"gradcheck": ("model",)}
 
 
-class _LazyFields(dict):  # type: ignore[type-arg]
+class _LazyFields(dict[str, dict[str, Any]]):
     """:func:`_fields`, built on first use (it imports the runtime)."""
 
     def __missing__(self, name: str) -> dict[str, Any]:
@@ -243,7 +243,7 @@ class _LazyFields(dict):  # type: ignore[type-arg]
 _FIELDS: dict[str, dict[str, Any]] = _LazyFields()
 
 #: The lists of each check's result that replay compares, and the fields of their items.
-_RESULT_LISTS = {
+_RESULT_LISTS: dict[str, dict[str, tuple[str, ...]]] = {
     "gradcheck": {"comparisons": ("strategy", "mode", "ok", "rel_norm_err", "norm_ratio")},
     "nancheck": {
         "singles": ("device", "status", "first_bad_step"),

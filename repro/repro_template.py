@@ -288,7 +288,7 @@ def _ddp_rank(
     )
     plan = Faults(faults)
 
-    def allreduce(state, bucket):  # unannotated: DDP accepts no annotation or GradBucket only
+    def allreduce(state, bucket):  # type: ignore[no-untyped-def]  # (DDP accepts no annotation or GradBucket)
         # torch's default allreduce_hook, plus the injected corruption of what this rank receives.
         tensor = bucket.buffer().div_(world)
         due = plan.due(None, rank)
