@@ -51,6 +51,9 @@ class EnvReport:
     missing: dict[str, str] = field(default_factory=dict)
     host: HostFacts | None = None  # raw probes, for peer's conclusions
 
+    def __repr__(self) -> str:
+        return f"<EnvReport sections {len(self.sections)} · not collected {len(self.missing)}>"
+
     @property
     def findings(self) -> list[Finding]:
         """``weights-only-load-off`` when ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set."""

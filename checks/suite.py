@@ -21,7 +21,7 @@ from typing import Any
 
 from gpudiag import defaults as D
 from gpudiag.errors import CannotRunHere, GpudiagError
-from gpudiag.findings import Finding
+from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.runtime.faults import can_fire
 
@@ -76,6 +76,9 @@ class CheckRun:
     report: Any = None  # the check's own report object (traces, repro scripts); not serialised
     #: what was simulated (ran on CPU virtual devices, not on GPUs), one sentence; None: real
     simulation: str | None = None
+
+    def __repr__(self) -> str:
+        return short_repr(self, f"{self.name} {self.status}", self.findings)
 
     @property
     def simulated(self) -> bool:

@@ -73,6 +73,9 @@ class ReplayReport:
     trusted: bool = False  # whether code named by the bundle was allowed to run
     rehearsal: str | None = None  # the bundle's faults were injected (its report.json says so)
 
+    def __repr__(self) -> str:
+        return f"<ReplayReport {'match' if self.match else 'differs'} · checks {len(self.checks)}>"
+
     @property
     def match(self) -> bool:
         return all(c.match for c in self.checks)

@@ -54,6 +54,10 @@ class Report:
     files: dict[str, bytes] = field(default_factory=dict)  # logs and traces, by bundle path
     bundle_path: str | None = None  # where the bundle was written
 
+    def __repr__(self) -> str:
+        statuses = ", ".join(f"{c.name} {c.status}" for c in self.checks)
+        return f"<Report {statuses}{' · ' + self.bundle_path if self.bundle_path else ''}>"
+
     @property
     def failed(self) -> list[CheckRun]:
         return [c for c in self.checks if c.status == "fail"]

@@ -40,3 +40,17 @@ def test_results_have_short_reprs() -> None:
         (peer, "<PeerReport pass · directions 2"),
     ):
         assert repr(result).startswith(start) and len(repr(result)) < 200, repr(result)
+
+
+def test_bundle_checkpoint_and_env_results_have_short_reprs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    report = gpudiag.doctor(checks=["env"])
+    assert repr(report) == "<Report env pass>" and repr(report.checks) == "[<CheckRun env pass>]"
+    assert repr(report.checks[0].report).startswith("<EnvReport sections ")
+    source = tmp_path / "dp.pt"
+    torch.save({"module.w": torch.ones(2)}, source)
+    inspected = gpudiag.inspect_checkpoint(str(source))
+    assert repr(inspected) == "<InspectResult torch-zip · state dicts 1 · keys 1>"
+    converted = gpudiag.convert_checkpoint(str(source), str(tmp_path / "plain.pt"))
+    assert repr(converted) == "<ConvertResult torch-zip -> pt · verified · mappings 1>"

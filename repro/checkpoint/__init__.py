@@ -75,6 +75,12 @@ class InspectResult:
     model: dict[str, Any] | None
     warnings: list[str]
 
+    def __repr__(self) -> str:
+        loads = {None: "", True: " · loads into the model", False: " · does not load into the model"}
+        keys = sum(len(sd.get("keys", [])) for sd in self.state_dicts)
+        counts = f"state dicts {len(self.state_dicts)} · keys {keys}"
+        return f"<InspectResult {self.format} · {counts}{loads[self.loads]}>"
+
     @property
     def loads(self) -> bool | None:
         """Whether the checkpoint loads strictly into ``--model`` as it is; None without one."""

@@ -42,6 +42,12 @@ class ConvertResult:
     sidecar: str | None = None
     verified: bool = False
 
+    def __repr__(self) -> str:
+        state = "dry run" if self.dry_run else ("verified" if self.verified else "written, not verified")
+        return (
+            f"<ConvertResult {self.format_in} -> {self.format_out} · {state} · mappings {len(self.mappings)}>"
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": CONVERT_SCHEMA,
