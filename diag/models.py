@@ -260,24 +260,65 @@ def random_batch(
     input_range: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded random batch: inputs of ``(batch_size, *input_shape)`` (see
-    :func:`random_inputs`) and targets — class indices below ``num_classes`` for ``ce``
-    losses, standard-normal values shaped like the model's output for ``mse`` losses
-    (read from one forward pass in eval mode)."""
+    :func:`random_inputs`) and targets for them (:func:`random_targets`)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = random_inputs(generator, batch_size, input_shape, input_dtype, input_range)
+    return inputs, random_targets(factory, inputs, num_classes, loss, generator, seed, output)
+
+
+def random_targets(
+    factory: Any,
+    inputs: Any,
+    num_classes: int,
+    loss: str,
+    generator: torch.Generator,
+    seed: int = 0,
+    output: int | str | None = None,
+) -> torch.Tensor:
+    """Targets for ``inputs`` (a tensor, a tuple of tensors or a dict of tensors): class
+    indices below ``num_classes`` for ``ce`` losses, standard-normal values shaped like the
+    model's output for ``mse`` losses (read from one forward pass in eval mode)."""
+    from gpudiag.runtime.batch import batch_size, call_model, select_output, split
+
+    rows = batch_size(inputs)
     if loss.startswith("ce"):
-        return inputs, torch.randint(0, num_classes, (batch_size,), generator=generator)
+        return torch.randint(0, num_classes, (rows,), generator=generator)
     torch.manual_seed(seed)
     probe = factory().eval()
+    first = split(inputs, (rows + 1) // 2)[0]  # two samples (one if there is one)
     try:
         with torch.no_grad():
-            out = probe(inputs[: min(2, batch_size)])
+            out = call_model(probe, first)
     except (Exception, SystemExit) as exc:
-        raise from_user_code(exc, f"the model, on inputs of shape {tuple(inputs.shape[1:])},") from exc
-    from gpudiag.runtime.batch import select_output
-
+        raise from_user_code(exc, "the model, on the inputs,") from exc
     out = select_output(out, output)  # the part the loss takes (tuple, dict, .logits)
-    return inputs, torch.randn(batch_size, *out.shape[1:], generator=generator)
+    return torch.randn(rows, *out.shape[1:], generator=generator)
+
+
+def load_inputs(path: str) -> Any:
+    """The batch in a file written with ``torch.save``: a tensor, a tuple (or list) of
+    tensors, or a dict of tensors, all with the same first (batch) dimension. Read with
+    ``weights_only=True``: the file runs no code. Bad files are an :class:`InputError`."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise InputError(f"--inputs {path}: no such file") from exc
+    except Exception as exc:  # a damaged file, or one that is not torch.save's
+        why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        raise InputError(f"--inputs {path}: not a file of tensors torch.save wrote ({why})") from exc
+    if isinstance(loaded, dict):
+        parts = list(loaded.values())
+    else:
+        parts = list(loaded) if isinstance(loaded, (tuple, list)) else [loaded]
+    if not parts or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in parts):
+        raise InputError(
+            f"--inputs {path}: expected a tensor, a tuple of tensors or a dict of tensors, "
+            "each with a batch dimension"
+        )
+    rows = sorted({t.shape[0] for t in parts})
+    if len(rows) != 1:
+        raise InputError(f"--inputs {path}: the tensors' first (batch) dimensions differ: {rows}")
+    return tuple(loaded) if isinstance(loaded, list) else loaded
 
 
 #: Wrappers whose state-dict keys gain a prefix: DataParallel/DDP (``module.``) and

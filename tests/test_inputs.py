@@ -85,3 +85,65 @@ def test_report_carries_the_inputs_and_replay_makes_the_same_batch(token_model: 
     )
     replayed = CliRunner().invoke(cli, ["replay", str(bundle), "--trust-bundle", "--format", "json"])
     assert replayed.exit_code == 0, replayed.output
+
+
+class TwoInputs(torch.nn.Module):
+    """Takes token ids and a mask by keyword: no generated input fits it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pooled = (self.embed(ids) * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+        return self.head(pooled)
+
+
+def two_inputs() -> torch.nn.Module:
+    return TwoInputs()
+
+
+def test_inputs_from_a_file_feed_any_model(tmp_path: Path) -> None:
+    batch = tmp_path / "batch.pt"
+    torch.save({"ids": torch.randint(0, 50, (6, 5)), "mask": torch.ones(6, 5)}, batch)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "gradcheck",
+            "--model",
+            "tests.test_inputs:two_inputs",
+            "--inputs",
+            str(batch),
+            "--num-classes",
+            "3",
+            "--strategies",
+            "single,dp",
+            "--format",
+            "json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verdict"] == "pass" and doc["config"]["inputs_file"] == str(batch)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"not a torch file", "not a file of tensors torch.save wrote"),
+        ("ragged", "first (batch) dimensions differ"),
+        ("scalar", "each with a batch dimension"),
+        ("missing", "no such file"),
+    ],
+)
+def test_a_bad_inputs_file_is_exit_2(content: object, words: str, tmp_path: Path) -> None:
+    path = tmp_path / "batch.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content == "ragged":
+        torch.save((torch.ones(4, 2), torch.ones(3, 2)), path)
+    elif content == "scalar":
+        torch.save(torch.tensor(1.0), path)
+    result = CliRunner().invoke(cli, ["gradcheck", "--model", "mlp", "--inputs", str(path)])
+    assert result.exit_code == 2 and words in result.output, result.output

@@ -476,11 +476,13 @@ def gradcheck_spec(
     loss: str = "ce",
     input_dtype: str = "float",
     input_range: tuple[float, float] | None = None,
+    inputs_file: str | None = None,
     **options: Any,
 ) -> GradcheckReport:
     """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch (``input_dtype``
-    and ``input_range``: see :func:`gpudiag.models.random_inputs`), compare."""
-    from gpudiag.models import random_batch, resolve_model
+    and ``input_range``: see :func:`gpudiag.models.random_inputs`) or read it from
+    ``inputs_file`` (:func:`gpudiag.models.load_inputs`; targets are generated), compare."""
+    from gpudiag.models import load_inputs, random_batch, random_targets, resolve_model
 
     options["inject"] = tuple(options.get("inject", ()))
     options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
@@ -491,7 +493,13 @@ def gradcheck_spec(
         describe.update(input_dtype=input_dtype, input_range=input_range and list(input_range))
     with naming_model(model):
         factory = resolve_model(model, input_shape, num_classes)
-        inputs, targets = random_batch(
-            factory, batch_size, input_shape, num_classes, loss, seed, output, input_dtype, input_range
-        )
+        if inputs_file is None:
+            inputs, targets = random_batch(
+                factory, batch_size, input_shape, num_classes, loss, seed, output, input_dtype, input_range
+            )
+        else:
+            inputs = load_inputs(inputs_file)
+            generator = torch.Generator().manual_seed(seed)
+            targets = random_targets(factory, inputs, num_classes, loss, generator, seed, output)
+            describe["inputs_file"] = inputs_file
         return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)

@@ -38,6 +38,13 @@ from gpudiag.cli.options import (
 @input_shape_option()
 @input_options
 @click.option(
+    "--inputs",
+    "inputs_file",
+    metavar="FILE",
+    help="The batch from a file torch.save wrote (a tensor, tuple or dict of tensors; read with "
+    "weights_only): for models no generated input fits. Targets are generated.",
+)
+@click.option(
     "--num-classes",
     default=D.NUM_CLASSES,
     show_default=True,
