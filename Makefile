@@ -8,10 +8,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-#: mypy: everything but repro/checkpoint, whose bounded unpickler subclasses the pure-Python
-#: pickle classes (pickle._Pickler/_Unpickler) that typeshed does not describe.
-TYPED  := diag checks repro/report.py repro/bundle.py repro/bundle_checks.py repro/replay.py \
-          repro/scripts.py repro/repro_template.py
+TYPED  := diag checks repro
 
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121

@@ -150,7 +150,7 @@ def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bo
     entries = []
     if isinstance(loaded.tree, dict) and loaded.format != "safetensors":
         entries = [_describe_entry(k, v) for k, v in loaded.tree.items()]
-    model_info = None
+    model_info: dict[str, Any] | None = None
     if model is not None:
         target = model_keys(model)
         best = max(

@@ -413,7 +413,11 @@ _REBUILD_TENSOR = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_PARAMETER = GlobalRef("torch._utils", "_rebuild_parameter")
 
 
-class _Pickler(pickle._Pickler):  # the Python pickler: it lets us write torch's globals by name
+#: Python's pure-Python pickler (typeshed describes only the public C one: typed as Any).
+_PyPickler: Any = pickle._Pickler
+
+
+class _Pickler(_PyPickler):  # the Python pickler: it lets us write torch's globals by name
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
             return ("storage", GlobalRef("torch", obj.type_name), obj.key, obj.location, obj.numel)

@@ -22,10 +22,14 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from gpudiag.errors import InputError
+
+#: Python's pure-Python unpickler, which this module extends (typeshed describes only the
+#: public C one, so it is typed as Any here).
+_PyUnpickler: Any = pickle._Unpickler
 
 #: Opcodes executed per pickle (a tensor in a state dict takes about 25; one costs about a
 #: microsecond). Pickles of real checkpoints use far fewer.
@@ -98,7 +102,7 @@ class TooComplex(InputError):
         super().__init__(f"{source}: the checkpoint is too complex to read safely ({what})")
 
 
-def _children(obj: Any) -> Iterable[Any]:
+def _children(obj: Any) -> Collection[Any]:
     """What a walk of the tree descends into: containers, placeholders' parts, attributes
     an OrderedDict carries (a state dict's ``_metadata``)."""
     if isinstance(obj, dict):
@@ -165,7 +169,7 @@ def _refused_op(code: int) -> Any:
     return run
 
 
-class BoundedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class BoundedUnpickler(_PyUnpickler):
     """Python's unpickler, every step bounded (module docstring). Subclasses restrict
     ``find_class`` and ``persistent_load``; :meth:`check_call` guards calls."""
 
@@ -188,7 +192,7 @@ class BoundedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
         self.readline = self._unframer.readline
-        self.metastack = []
+        self.metastack: list[Any] = []
         self.stack: list[Any] = []
         self.append = self.stack.append
         self.proto = 0
@@ -367,7 +371,7 @@ _CREATING = frozenset(
 )
 _BOUNDED: dict[int, Any] = {}
 _WEIGHTS_ONLY: dict[int, Any] = {}
-for _code, _op in pickle._Unpickler.dispatch.items():  # type: ignore[attr-defined]
+for _code, _op in _PyUnpickler.dispatch.items():
     _op = getattr(BoundedUnpickler, _op.__name__, _op)  # our overrides of load_*
     _BOUNDED[_code] = _weighed_op(_op) if _code in _CREATING else _op
     _WEIGHTS_ONLY[_code] = _BOUNDED[_code] if _code in WEIGHTS_ONLY_OPCODES else _refused_op(_code)
