@@ -51,13 +51,15 @@ _SECRET_PREFIXES = ("AWS_", "AZURE_")
 _SECRET_EXACT = frozenset({"DATABASE_URL", "KEY", "AUTH", "SESSION"})
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 #: Token shapes worth scrubbing anywhere, whatever variable or log line holds them.
+#: Token shapes; a token may follow a digit or punctuation (``10.0.0.1hf_…`` in a log
+#: line), not a letter (then it is part of a longer word).
 _TOKENS = re.compile(
-    r"\bhf_[A-Za-z0-9]{20,}"
-    r"|\b(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}|\bgithub_pat_[A-Za-z0-9_]{20,}"
-    r"|\bsk-(?:[A-Za-z0-9_-]{2,}-)?[A-Za-z0-9_-]{16,}"
-    r"|\bAKIA[0-9A-Z]{16}\b"
-    r"|\bxox[abposr]-[A-Za-z0-9-]{10,}"
-    r"|\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"
+    r"(?<![A-Za-z])(?:hf_[A-Za-z0-9]{20,}"
+    r"|(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+    r"|sk-(?:[A-Za-z0-9_-]{2,}-)?[A-Za-z0-9_-]{16,}"
+    r"|AKIA[0-9A-Z]{16}\b"
+    r"|xox[abposr]-[A-Za-z0-9-]{10,}"
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"
 )
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@\"']*:[^/\s@\"']+@")
 #: ``Bearer <token>`` (an ``Authorization`` header in a log line), whatever precedes it.
@@ -256,7 +258,9 @@ _ASSIGNMENT = re.compile(
     r"(?<![\w.])(?P<quote>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=quote)(?P<sep>[ \t]*[=:][ \t]*)"
     r"(?P<value><redacted[^>]*>"
     r"|(?:[Bb]earer|[Bb]asic|[Tt]oken|Digest)[ \t]+(?:<redacted[^>]*>|[^\s\"']+)"
-    r"|\"[^\"]*\"|'[^']*'|\"[^\"\n]*|'[^'\n]*|[^\s\"']+)"
+    r"|\"[^\"]*\"|'[^']*'|\"[^\"\n]*|'[^'\n]*"
+    # a bare value: right after = or :, anything; after blanks, not an option (PASSWORD= --token x)
+    r"|(?<![ \t])[^\s\"']+|(?!-)[^\s\"']+)"
 )
 #: ``--name value`` on a command line, for secret-looking option names.
 _FLAG = re.compile(

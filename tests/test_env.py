@@ -277,12 +277,16 @@ def test_every_form_of_secret_is_caught() -> None:
         "curl -H 'Authorization: Basic dXNlcjpwYXNzd29yZA=='",
         "clone https://deploy:hunter2hunter2@git.example.com/x.git and postgres://:pgpass99@db/x",
         "python train.py --api-key=cmdline-key-1 --token cmdline-token-2 --max-tokens 512",
+        "connected to 10.0.0.1hf_GluedTokenAfterADigit0123 and shf_notatokenbutaword0123456789",
+        "PASSWORD= --token flag-after-empty-1",
     ]
     out = r.text("\n".join(lines))
     for secret in [*PLANTED.values(), "abcdef0123456789ghij", "dXNlcjpwYXNzd29yZA", "hunter2hunter2"]:
         assert secret not in out, secret
-    for secret in ("pgpass99", "cmdline-key-1", "cmdline-token-2"):
+    glued_and_empty = ("GluedTokenAfterADigit", "flag-after-empty-1")
+    for secret in ("pgpass99", "cmdline-key-1", "cmdline-token-2", *glued_and_empty):
         assert secret not in out, secret
+    assert "shf_notatokenbutaword0123456789" in out  # a letter before: part of a word
     assert "--max-tokens 512" in out and "https://<redacted>@git.example.com" in out
     assert out.count("\n") == len(lines) - 1  # nothing joined or dropped
     # The same in JSON: a command line as an argv list, secrets under secret-looking keys.
