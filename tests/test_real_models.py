@@ -21,13 +21,7 @@ SMALL = ["--input-shape", "3,32,32", "--batch-size", "4"]
 #: Models that broke the launch with "too many fds" (more tensors than a forkserver sends).
 FAMILIES = [
     "densenet121",
-    pytest.param(
-        "efficientnet_b0",
-        marks=pytest.mark.xfail(
-            reason="stochastic depth stays active in controlled mode: mismatch-unexplained (issue 15)",
-            strict=True,
-        ),
-    ),
+    "efficientnet_b0",  # (stochastic depth: controlled mode takes its expected value since issue 15)
     "googlenet?aux_logits=false&init_weights=true",  # (aux logits: a tuple output, issue 15)
     "shufflenet_v2_x1_0",
     "regnet_y_400mf",
