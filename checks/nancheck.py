@@ -34,7 +34,7 @@ from gpudiag.progress import note
 from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.config import ModelFn
-from gpudiag.runtime.faults import check_fires, for_devices, parse_fault
+from gpudiag.runtime.faults import check_fires, for_devices, parse_fault, rehearsal
 from gpudiag.topology.analysis import best_groups, cuda_visible_devices
 from gpudiag.topology.model import Topology, path_of
 
@@ -111,6 +111,7 @@ class NancheckReport:
             "verdict": self.verdict,
             "simulated": self.simulated,
             "simulation": self.simulation,
+            "rehearsal": rehearsal(self.config.get("inject") or []),
             "strategy": self.strategy,
             "steps": self.steps,
             "explosion_factor": EXPLOSION_FACTOR,

@@ -83,13 +83,9 @@ class Report:
     @property
     def rehearsal(self) -> str | None:
         """One sentence saying faults were injected and which, or None."""
-        if not self.injected:
-            return None
-        specs = " ".join(f"--inject {s}" for s in self.injected)
-        return (
-            f"rehearsal with injected faults ({specs}): failures they cause were planted by gpudiag "
-            "to test its detectors, not found on the machine"
-        )
+        from gpudiag.runtime.faults import rehearsal
+
+        return rehearsal(self.injected)
 
     @property
     def simulation(self) -> str | None:

@@ -219,3 +219,13 @@ def test_trace_holds_every_run(tmp_path) -> None:  # type: ignore[no-untyped-def
     assert {e["run"] for e in events} == {"GPU5", "GPU6", "GPU7", "GPU5+GPU6", "GPU6+GPU7"}
     faulted = [e for e in events if e["type"] == "transfer" and e["faults"]]
     assert faulted and all(e["run"] == "GPU5+GPU6" and e["step"] >= 2 for e in faulted)
+
+
+def test_a_standalone_rehearsal_says_so_first() -> None:
+    code, doc = nancheck("--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3")
+    assert code == 1 and doc["rehearsal"].startswith("rehearsal with injected faults (--inject 5->6:nan@3)")
+    text = CliRunner().invoke(
+        cli, ["nancheck", "--machine", SEED, "--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3"]
+    )
+    assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:nan@3)")
+    assert nancheck("--pairs", "5-6", "--steps", "4")[1]["rehearsal"] is None

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpudiag.findings import Finding, short_repr
 from gpudiag.render.jsonout import number as _number
+from gpudiag.runtime.faults import rehearsal
 from gpudiag.runtime.record import Recorder
 
 SCHEMA = "gpudiag.gradcheck/1"
@@ -140,6 +141,7 @@ class GradcheckReport:
             "verdict": self.verdict,
             "simulated": self.simulated,
             "simulation": self.simulation,
+            "rehearsal": rehearsal(self.config.get("inject") or []),
             "reference": "single",
             "tolerance": self.tolerance,
             "settings": self.settings,

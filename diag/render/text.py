@@ -212,6 +212,7 @@ def _gradcheck(out: Any, report: Any) -> None:
 
     cfg = report.config
     style = VERDICT_STYLE.get(report.verdict, "bold")
+    _rehearsal(out, cfg)
     out.print(
         f"[bold]gradcheck[/bold] [{style}]{report.verdict.upper()}[/{style}]{_simulated(report)}"
         f" · model {escape(str(cfg.get('model', '?')))}"
@@ -274,6 +275,17 @@ def nancheck(report: Any, stream: TextIO) -> None:
         _nancheck(out, report)
 
 
+def _rehearsal(out: Any, config: dict[str, Any]) -> None:
+    """First, when faults were injected on purpose: say so (and which)."""
+    from rich.markup import escape
+
+    from gpudiag.runtime.faults import rehearsal
+
+    sentence = rehearsal(config.get("inject") or [])
+    if sentence:
+        out.print(f"[bold yellow]{escape(capitalised(sentence))}[/bold yellow]")
+
+
 def _nancheck(out: Any, report: Any) -> None:
     from rich import box
     from rich.markup import escape
@@ -281,6 +293,7 @@ def _nancheck(out: Any, report: Any) -> None:
 
     style = VERDICT_STYLE.get(report.verdict, "bold")
     cfg = report.config
+    _rehearsal(out, cfg)
     out.print(
         f"[bold]nancheck[/bold] [{style}]{report.verdict.upper()}[/{style}]{_simulated(report)} · "
         f"{report.strategy} · {report.steps} step(s) per run · model {cfg.get('model', '?')} · "

@@ -126,6 +126,17 @@ def can_fire(spec: str, runs: Sequence[Sequence[int]], steps: int | None) -> boo
     return in_time and any(all(d in run for d in named) for run in runs)
 
 
+def rehearsal(specs: Sequence[str]) -> str | None:
+    """One sentence saying faults were injected on purpose, and which (None: none were)."""
+    if not specs:
+        return None
+    flags = " ".join(f"--inject {s}" for s in specs)
+    return (
+        f"rehearsal with injected faults ({flags}): failures they cause were planted by gpudiag "
+        "to test its detectors, not found on the machine"
+    )
+
+
 @dataclass
 class FaultPlan:
     """The faults of a run and how many transfers each has hit so far."""
