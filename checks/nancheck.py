@@ -187,6 +187,10 @@ def _first_bad_transfer(result: RunResult, devices: tuple[int, ...], strategy: s
     bad_b = next((b for b in buckets if b.nonfinite_before or b.nonfinite_after), None)
     if bad_b is None:
         return None
+    # One all-reduce spreads a rank's non-finite gradient to every rank: blame the rank
+    # where it was non-finite before the all-reduce, if there is one, not where it arrived.
+    origin = [b for b in buckets if (b.step, b.index) == (bad_b.step, bad_b.index) and b.nonfinite_before]
+    bad_b = origin[0] if origin else bad_b
     dst = devices[bad_b.rank]
     src = devices[1 - bad_b.rank] if len(devices) == 2 else None
     return {
@@ -366,6 +370,30 @@ def conclude(
                     f"`nvidia-smi -q -i {g}` for ECC/Xid errors; {confirm}",
                 )
             ]
+    if bad_pairs and all(_arose_in_compute(o.first_bad_transfer) for o in bad_pairs):
+        first = min(bad_pairs, key=lambda o: o.first_bad_step or 10**9)
+        names = " ".join(f"({o.devices[0]},{o.devices[1]})" for o in bad_pairs)
+        return [
+            Finding(
+                "pair-numeric-divergence",
+                "warning",
+                f"training diverges on pair(s) {names} while each GPU trains alone, but the first "
+                "non-finite values arose in the "
+                f"{'ranks' if strategy == 'ddp' else 'replicas'}' own computation (step "
+                f"{first.first_bad_step}), before any transfer: the split batch, not the link",
+                {
+                    "pairs": [list(o.devices) for o in bad_pairs],
+                    "first_bad_step": first.first_bad_step,
+                    "first_bad_transfer": first.first_bad_transfer,
+                    "strategy": strategy,
+                },
+                cause="each device trains on a part of the batch: BatchNorm statistics of a few samples, "
+                "or a model and learning rate that are unstable at that per-device batch",
+                fix="use a larger per-device batch (--batch-size), SyncBatchNorm under DDP, or a lower "
+                "learning rate; to test the links themselves, nancheck a model that is stable on small "
+                "batches (the default mlp)",
+            )
+        ]
     if bad_pairs:
         failing = [list(o.devices) for o in bad_pairs]
         kinds = sorted({links.get(o.devices) or "unknown" for o in bad_pairs})
@@ -413,6 +441,17 @@ def conclude(
             )
         ]
     return []
+
+
+def _arose_in_compute(where: dict[str, Any] | None) -> bool:
+    """Whether the first bad data was already non-finite where it was made: before DDP's
+    all-reduce on its rank, or sent non-finite (and received as sent) over a DataParallel
+    transfer. A link that corrupts shows finite data sent and bad data received."""
+    if where is None:
+        return False
+    if where.get("phase") == "allreduce":
+        return bool(where.get("before_allreduce"))
+    return bool(where.get("nonfinite")) and not where.get("corrupted")
 
 
 def nancheck_spec(

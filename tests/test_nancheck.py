@@ -191,6 +191,20 @@ def test_conclusions_from_patterns() -> None:
     assert (f.code, f.evidence["device"]) == ("device-fault", 0)
     (f,) = conclude(singles, [bad(0, 1), ok(0, 2), ok(1, 2)], {(0, 1): "SYS"}, None, "dp")
     assert (f.code, f.evidence["links"]) == ("link-corruption", ["SYS"])
+    # bad data that was already non-finite where it was made is the split batch, not the link
+    made_bad = {"phase": "allreduce", "src": 1, "dst": 0, "step": 2, "before_allreduce": True}
+    arrived_bad = {**made_bad, "before_allreduce": False}
+    sent_bad = {"phase": "gather", "src": 1, "dst": 0, "step": 2, "nonfinite": 3, "corrupted": False}
+    for where, code in (
+        (made_bad, "pair-numeric-divergence"),
+        (arrived_bad, "link-corruption"),
+        (sent_bad, "pair-numeric-divergence"),
+        ({**sent_bad, "corrupted": True}, "link-corruption"),
+    ):
+        pair = Outcome((0, 1), "diverged", 2, [1.0, float("nan")], where)
+        (f,) = conclude(singles, [pair, ok(0, 2), ok(1, 2)], {}, None, "ddp")
+        assert f.code == code, where
+        assert f.severity == ("warning" if code == "pair-numeric-divergence" else "error")
     exploded = Outcome((0, 1), "exploded", 5, [1.0, 500.0])
     (f,) = conclude(singles, [exploded, ok(0, 2), ok(1, 2)], {}, None, "dp")
     assert f.code == "loss-explosion" and f.severity == "warning"
@@ -229,3 +243,28 @@ def test_a_standalone_rehearsal_says_so_first() -> None:
     )
     assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:nan@3)")
     assert nancheck("--pairs", "5-6", "--steps", "4")[1]["rehearsal"] is None
+
+
+def test_a_rank_whose_gradient_went_bad_is_blamed_not_the_rank_it_reached() -> None:
+    from gpudiag.checks.nancheck import _first_bad_transfer
+    from gpudiag.runtime.record import Bucket, Recorder
+
+    recorder = Recorder()
+    for rank, before in ((0, 0), (1, 5)):  # rank 1 made the NaN; the all-reduce gave it to rank 0
+        recorder.buckets.append(
+            Bucket(
+                step=2,
+                rank=rank,
+                index=0,
+                numel=8,
+                norm_before=1.0,
+                nonfinite_before=before,
+                norm_after=float("nan"),
+                nonfinite_after=8,
+                faults=[],
+                time=0.0,
+            )
+        )
+    result = type("Result", (), {"recorder": recorder})()
+    where = _first_bad_transfer(result, (0, 1), "ddp")  # type: ignore[arg-type]
+    assert where is not None and (where["dst"], where["before_allreduce"]) == (1, True)
