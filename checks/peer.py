@@ -35,7 +35,7 @@ from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.hw.host import HostFacts, Runner, collect
 from gpudiag.parsers import parse_pairs
 from gpudiag.runtime import DeviceSet, RankFailure
-from gpudiag.runtime.faults import FaultPlan, check_fires, corrupt, for_devices
+from gpudiag.runtime.faults import FaultPlan, check_fires, corrupt, for_devices, rehearsal
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.transport import Transport
 from gpudiag.topology.model import Topology
@@ -68,6 +68,7 @@ class PeerReport:
     findings: list[Finding]
     machine_source: str | None = None  # the file virtual devices were laid out like
     reason: str | None = None  # why no pair was tested (verdict ``skipped``)
+    inject: list[str] = field(default_factory=list)  # faults injected on purpose (--inject)
 
     def __repr__(self) -> str:
         return short_repr(self, self.verdict, self.findings, directions=len(self.pairs))
@@ -98,6 +99,7 @@ class PeerReport:
             "verdict": self.verdict,
             "simulated": self.simulated,
             "simulation": self.simulation,
+            "rehearsal": rehearsal(self.inject),
             "reason": self.reason,
             "devices": self.devices,
             "pairs": [p.__dict__ for p in self.pairs],
@@ -284,7 +286,7 @@ def peer(
     verdict = "fail" if any(f.severity == "error" for f in findings) else ("pass" if results else "skipped")
     kind = devices.kind if devices else "none"
     source = machine_source if machine is not None else None
-    return PeerReport(verdict, kind, results, host, skipped, findings, source, reason)
+    return PeerReport(verdict, kind, results, host, skipped, findings, source, reason, list(inject))
 
 
 _CONFIRM = "rerun with NCCL_P2P_DISABLE=1 (and compare p2pBandwidthLatencyTest with P2P on and off)"

@@ -204,3 +204,12 @@ def test_peer_names_an_injected_fault_on_cuda() -> None:
     report = peer(pairs="0-1", sizes=(4096,), inject=("1->0:nan",), runner=Canned({}, {}, {}))
     codes = {f.code for f in report.findings}
     assert {"p2p-copy-mismatch", "allreduce-wrong-values"} <= codes and report.verdict == "fail"
+
+
+def test_a_peer_rehearsal_says_so_first() -> None:
+    machine = str(Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_machine.json")
+    args = ["peer", "--machine", machine, "--pairs", "5-6", "--sizes", "4K", "--inject", "5->6:zero"]
+    text = CliRunner().invoke(cli, args)
+    assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:zero)"), text.stdout
+    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).stdout)
+    assert doc["rehearsal"].startswith("rehearsal with injected faults")

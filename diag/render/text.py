@@ -368,10 +368,14 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
 
 def _peer_lines(report: Any) -> list[str]:
     """Plain lines shared by the text and markdown views of ``peer``."""
+    from gpudiag.runtime.faults import rehearsal
+
+    sentence = rehearsal(getattr(report, "inject", []))
+    lines = [capitalised(sentence)] if sentence else []
     if report.verdict == "skipped":
-        lines = [f"peer SKIPPED · {report.reason}"]
+        lines.append(f"peer SKIPPED · {report.reason}")
     else:
-        lines = [f"peer {report.verdict.upper()}{_simulated(report)} · {report.devices} devices"]
+        lines.append(f"peer {report.verdict.upper()}{_simulated(report)} · {report.devices} devices")
     if report.simulation:
         lines.append(f"  {report.simulation}")
     for r in report.pairs:
