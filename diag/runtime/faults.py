@@ -96,34 +96,31 @@ def parse_fault(spec: str) -> Fault:
 
 
 def check_fires(specs: Sequence[str], runs: Sequence[Sequence[int]], steps: int | None) -> None:
-    """Refuse, before anything runs, a spec that cannot fire: a SRC or DST that no run in
-    ``runs`` (the device or rank numbers of each run that moves tensors) has together with
-    the other, or a STEP after the last of ``steps`` (None: no steps, e.g. peer copies).
+    """Refuse, before anything runs, a spec that cannot fire (see :func:`why_it_cannot_fire`).
     A rehearsal that injects nothing must not pass as one that found nothing."""
     for spec in specs:
-        fault = parse_fault(spec)
-        if can_fire(spec, runs, steps):
-            continue
-        if steps is not None and fault.step > steps:
-            raise InjectSpecError(
-                f"--inject {spec!r} can never fire: step {fault.step} comes after the run's last step "
-                f"({steps}); nothing was run"
-            )
-        named = [d for d in (fault.src, fault.dst) if d is not None]
-        if not any(all(d in run for d in named) for run in runs):
-            where = ", ".join("-".join(map(str, r)) for r in runs) if runs else "no run moves tensors"
-            raise InjectSpecError(
-                f"--inject {spec!r} can never fire: no run here has {' and '.join(map(str, named))} "
-                f"(runs: {where}); nothing was run"
-            )
+        why = why_it_cannot_fire(spec, runs, steps)
+        if why is not None:
+            raise InjectSpecError(f"--inject {spec!r} can never fire: {why}; nothing was run")
 
 
 def can_fire(spec: str, runs: Sequence[Sequence[int]], steps: int | None) -> bool:
     """Whether some run of ``runs`` has the spec's SRC and DST and reaches its STEP."""
+    return why_it_cannot_fire(spec, runs, steps) is None
+
+
+def why_it_cannot_fire(spec: str, runs: Sequence[Sequence[int]], steps: int | None) -> str | None:
+    """Why ``spec`` cannot fire, or None: a STEP after the last of ``steps`` (None: no
+    steps, e.g. peer copies), or a SRC or DST that no run in ``runs`` (the device or rank
+    numbers of each run that moves tensors) has together with the other."""
     fault = parse_fault(spec)
+    if steps is not None and fault.step > steps:
+        return f"step {fault.step} comes after the run's last step ({steps})"
     named = [d for d in (fault.src, fault.dst) if d is not None]
-    in_time = steps is None or fault.step <= steps
-    return in_time and any(all(d in run for d in named) for run in runs)
+    if not any(all(d in run for d in named) for run in runs):
+        where = ", ".join("-".join(map(str, r)) for r in runs) if runs else "no run moves tensors"
+        return f"no run here has {' and '.join(map(str, named))} (runs: {where})"
+    return None
 
 
 def rehearsal(specs: Sequence[str]) -> str | None:
