@@ -105,12 +105,12 @@ def _case(
     return case
 
 
-def _codes(cases: list[Case], cores: int = 64) -> list[str]:
+def _codes(cases: list[Case], cores: int = 64, workers: int | None = None) -> list[str]:
     single = {c.dtype: c for c in cases if c.strategy == "single"}
     for c in cases:
         if c.dtype in single:
             c.speedup = c.samples_per_s / single[c.dtype].samples_per_s
-    return [f.code for f in explain(cases, cores)]
+    return [f.code for f in explain(cases, cores, workers)]
 
 
 def test_dp_overhead_fires_above_its_share_only() -> None:
@@ -241,3 +241,93 @@ def test_the_command_writes_json_and_refuses_bad_usage(tmp_path) -> None:  # typ
     assert CliRunner().invoke(cli, args).exit_code == 2  # -o exists, no --force
     assert CliRunner().invoke(cli, ["bench"]).exit_code == 2
     assert CliRunner().invoke(cli, ["bench", "--model", "mlp", "--dtype", "fp8"]).exit_code == 2
+
+
+# --- data, devices, epoch ---------------------------------------------------------------------
+
+
+def test_data_option_and_shares_follow_torch_chunk() -> None:
+    from gpudiag.checks.bench.data import LoaderData, parse_data, shares
+
+    assert parse_data("synthetic") == ("synthetic", 0)
+    assert parse_data("loader") == ("loader", 2) and parse_data("loader:0") == ("loader", 0)
+    for bad in ("loader:", "loader:-1", "loader:２", "loader:x", "disk", "synthetic:2"):
+        with pytest.raises(InputError):
+            parse_data(bad)
+    assert shares(5, 2) == [(0, 3), (3, 2)] and shares(4, 3) == [(0, 2), (2, 2), (4, 0)]
+    data = LoaderData(0, 5, 2, (6,), 3, seed=1)
+    per_rank = [[(x.shape[0], y.tolist()) for x, y in data(rank, 2)] for rank in (0, 1)]
+    assert [[n for n, _ in steps] for steps in per_rank] == [[3, 3], [2, 2]]
+    whole = list(data(0, 1))  # one process gets the whole batch: the ranks' shares, in order
+    assert [y.tolist() for _, y in whole] == [a + b for (_, a), (_, b) in zip(*per_rank, strict=True)]
+    images = LoaderData(0, 2, 1, (3, 8, 8), 4).dataset()
+    assert type(images).__name__ == "FakeData" and images[0][0].shape == (3, 8, 8)
+
+
+def test_input_bound_fires_above_its_share_and_explains_poor_scaling() -> None:
+    ref = _case(per_gpu=8, step=0.01, data=0.001)
+    waiting = _case("ddp", 4, per_gpu=8, step=0.02, data=0.008)  # 40 % waiting, 50 % efficiency
+    codes = _codes([ref, waiting], workers=2)
+    assert "input-bound" in codes and "per-gpu-batch-small" not in codes
+    assert [f.code for f in explain([waiting], 64, None)] == []  # synthetic data: no data phase to judge
+    finding = explain([waiting], 64, 2)[0]
+    assert (
+        finding.code == "input-bound"
+        and finding.evidence["workers"] == 2
+        and "num_workers" in (finding.fix or "")
+    )
+    assert explain([_case(step=0.1, data=0.005)], 64, 2) == []
+
+
+def test_dp_memory_imbalance_needs_a_heavier_first_gpu() -> None:
+    case = _case("dp", 2, step=0.1)
+    case.devices = [0, 1]
+    mib = 2**20
+    case.peak_memory = {0: 3000 * mib, 1: 1800 * mib}
+    assert [f.code for f in explain([case], 64)] == ["dp-memory-imbalance"]
+    case.peak_memory = {0: 2000 * mib, 1: 1800 * mib}
+    assert explain([case], 64) == []
+    case.peak_memory = {0: 300 * mib, 1: 100 * mib}  # 3× but only 200 MiB more
+    assert explain([case], 64) == []
+
+
+def test_bench_with_a_loader_and_chosen_devices_on_a_machine() -> None:
+    """A real DataLoader with a worker in this process and in each DDP rank; GPUs 5 and 6 of
+    the seed machine (NODE) when 0 and 1 share NVLink; no worker process left behind."""
+    import multiprocessing
+
+    result = gpudiag.bench(
+        models.flat_mlp,
+        input_shape=(3, 4, 4),
+        num_classes=4,
+        batch_size=4,
+        steps=2,
+        warmup=1,
+        strategies=("single", "ddp"),
+        data="loader:1",
+        devices=(5, 6),
+        machine="seed_8gpu_machine.json",
+        epoch_samples=1000,
+    )
+    assert result.exit_code() == 0 and result.config["data"] == "loader:1"
+    by = {c.strategy: c for c in result.cases}
+    assert by["single"].devices == [5] and by["ddp"].devices == [5, 6]
+    assert all(c.phases["data"] > 0 for c in result.cases)
+    codes = [f.code for f in result.findings]
+    assert "gpus-poorly-connected" in codes
+    poor = next(f for f in result.findings if f.code == "gpus-poorly-connected")
+    assert "NODE" in poor.message and "CUDA_VISIBLE_DEVICES=0,1" in (poor.fix or "")
+    doc = result.to_json()
+    assert doc["cases"][0]["epoch_s"] == pytest.approx(1000 / by["single"].samples_per_s)
+    assert multiprocessing.active_children() == []
+    text = io.StringIO()
+    render("bench", result, "text", text)
+    assert "epoch = 1,000 samples" in text.getvalue() and "DataLoader with 1 worker" in text.getvalue()
+
+
+def test_devices_that_are_not_there_are_refused() -> None:
+    args = ["bench", "--model", "mlp", "--machine", "seed_8gpu_machine.json", "--devices", "7,9"]
+    got = CliRunner().invoke(cli, args)
+    assert got.exit_code == 2 and "no 9 among the GPUs of the machine" in got.output
+    for bad in (["--devices", "0,0"], ["--devices", "a"], ["--data", "loader:x"], ["--epoch-samples", "0"]):
+        assert CliRunner().invoke(cli, ["bench", "--model", "mlp", *bad]).exit_code == 2

@@ -168,3 +168,20 @@ def test_a_users_mistake_is_exit_2_naming_the_spec(spec: str, words: str, tmp_pa
         assert result.exit_code == 2, result.output
         assert result.output.startswith(f"gpudiag: error: --model {spec!r}: ") and words in result.output
         assert "internal error" not in result.output and "Downloading" not in result.output
+
+
+def test_a_child_forked_while_contained_leaves_normally() -> None:
+    """A DataLoader worker or any multiprocessing child forked inside ``contained`` ends
+    through the real ``os._exit`` (it used to raise ProcessExit there and die with 1)."""
+    import multiprocessing
+    import os
+
+    from gpudiag.runtime.deadline import ProcessExit, contained
+
+    with contained(30, "the test"):
+        child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+        child.start()
+        child.join(10)
+        with pytest.raises(ProcessExit):
+            os._exit(3)
+    assert child.exitcode == 0

@@ -8,6 +8,7 @@ are documented in ``docs/findings.md``.
 from __future__ import annotations
 
 from gpudiag.findings import Finding
+from gpudiag.topology.analysis import cuda_visible_devices
 
 from .figures import DP_PHASES, Case
 
@@ -20,19 +21,29 @@ SMALL_BATCH = 32
 SMALL_BATCH_EFFICIENCY = 0.75
 #: Mixed precision must beat fp32's samples/s by at least this factor to count as a gain.
 AMP_MIN_GAIN = 1.05
+#: The wait for the next batch (``--data loader``) above this share of the step.
+INPUT_BOUND_SHARE = 0.10
+#: DataParallel's first GPU at this multiple of the others' peak memory, and at least
+#: :data:`MEMORY_IMBALANCE_MIN` bytes more.
+MEMORY_IMBALANCE_RATIO = 1.25
+MEMORY_IMBALANCE_MIN = 256 * 2**20
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
-def explain(cases: list[Case], cores: int) -> list[Finding]:
+def explain(cases: list[Case], cores: int, loader_workers: int | None = None) -> list[Finding]:
     """Findings for the measured ``cases`` (those without an error) on a host with
-    ``cores`` CPU cores."""
+    ``cores`` CPU cores; ``loader_workers``: the DataLoader's workers per process
+    (``--data loader:N``; None for synthetic data)."""
     ok = [c for c in cases if c.error is None and c.steps]
     found: list[Finding] = []
     for case in ok:
-        found += _dp_overhead(case) + _comm_exposed(case) + _small_batch(case) + _oversubscribed(case, cores)
+        found += _input_bound(case, loader_workers, cores) + _dp_overhead(case) + _memory_imbalance(case)
+        found += (
+            _comm_exposed(case) + _poorly_connected(case) + _small_batch(case) + _oversubscribed(case, cores)
+        )
     found += _amp_no_gain(ok)
     return found
 
@@ -45,6 +56,77 @@ def _evidence(case: Case, **more: object) -> dict[str, object]:
         "step_s": round(case.step_time, 6),
         **more,
     }
+
+
+def _input_bound(case: Case, workers: int | None, cores: int) -> list[Finding]:
+    if workers is None:
+        return []
+    share = case.share("data")
+    if share <= INPUT_BOUND_SHARE:
+        return []
+    processes = case.gpus if case.strategy == "ddp" else 1
+    more = max(workers + 1, min(2 * max(workers, 1), max(1, cores // processes)))
+    return [
+        Finding(
+            "input-bound",
+            "warning",
+            f"{case.label}: {_pct(share)} of each step waits for the next batch from the DataLoader "
+            f"({1e3 * case.phases['data']:.2f} ms of {1e3 * case.step_time:.2f} ms; {workers} worker"
+            f"{'s' if workers != 1 else ''} per process)",
+            _evidence(case, share=round(share, 4), data_s=case.phases["data"], workers=workers, cores=cores),
+            cause="the input pipeline (reading, decoding, augmenting, collating on the CPU) produces "
+            "batches more slowly than the devices consume them, so the devices idle",
+            fix=f"give the DataLoader more workers (num_workers={more}; here --data loader:{more}; at most "
+            "the cores per training process), pin_memory=True and persistent_workers=True, lighter or "
+            "GPU-side augmentation, a faster storage format; --data synthetic shows the devices' ceiling",
+        )
+    ]
+
+
+def _memory_imbalance(case: Case) -> list[Finding]:
+    memory = case.peak_memory or {}
+    if case.strategy != "dp" or len(memory) < 2 or not case.devices:
+        return []
+    first = memory.get(case.devices[0])
+    others = [b for d, b in memory.items() if d != case.devices[0]]
+    if first is None or not others:
+        return []
+    most = max(others)
+    if first < MEMORY_IMBALANCE_RATIO * most or first - most < MEMORY_IMBALANCE_MIN:
+        return []
+    return [
+        Finding(
+            "dp-memory-imbalance",
+            "warning",
+            f"{case.label}: the first GPU (cuda:{case.devices[0]}) peaks at {first / 2**20:.0f} MiB, "
+            f"{first / most:.2f}× the others' {most / 2**20:.0f} MiB",
+            _evidence(case, first_device=case.devices[0], first_bytes=first, others_max_bytes=most),
+            cause="DataParallel keeps the model, the optimizer state, the gathered outputs and the loss "
+            "on its first GPU and scatters from there, so that GPU fills first and caps the batch for all",
+            fix="use DistributedDataParallel (every GPU holds the same); or leave headroom on the first "
+            "GPU (a smaller batch, or compute the loss inside the module so only the loss is gathered)",
+        )
+    ]
+
+
+def _poorly_connected(case: Case) -> list[Finding]:
+    if not case.better_devices or case.better_link is None:
+        return []
+    chosen = ",".join(map(str, case.devices))
+    better = ",".join(map(str, case.better_devices))
+    return [
+        Finding(
+            "gpus-poorly-connected",
+            "warning",
+            f"{case.label}: the chosen GPUs ({chosen}) talk over {'/'.join(case.links) or 'unknown links'}, "
+            f"while GPUs {better} are joined by {case.better_link} or better",
+            _evidence(case, devices=case.devices, links=case.links, better=case.better_devices),
+            cause="the GPUs were picked by number, not by how they are connected: gradients and "
+            "DataParallel's copies cross a slower PCIe path (or the CPU interconnect)",
+            fix=f"run on GPUs {better} ({cuda_visible_devices(case.better_devices)}; gpudiag topology lists "
+            "the best-connected groups)",
+        )
+    ]
 
 
 def _dp_overhead(case: Case) -> list[Finding]:
@@ -104,6 +186,8 @@ def _small_batch(case: Case) -> list[Finding]:
         return []
     if case.per_gpu_batch >= SMALL_BATCH or case.efficiency >= SMALL_BATCH_EFFICIENCY:
         return []
+    if case.share("data") > INPUT_BOUND_SHARE:
+        return []  # the input pipeline holds it back (input-bound says so), not the batch
     return [
         Finding(
             "per-gpu-batch-small",

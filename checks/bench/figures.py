@@ -3,6 +3,7 @@ breakdown of one measured case. Pure functions over :class:`Phase` events (no ru
 
 Per step, the phases the runtime times (``gpudiag.runtime.timing``) are folded into:
 
+- ``data`` (``--data loader``): the wait for the next batch from the DataLoader;
 - ``copy``: the batch to the device (synthetic data sits there already: ~0);
 - ``scatter``, ``replicate``, ``gather`` (``dp``): DataParallel's own work;
 - ``forward``: the model's forward and the loss (for ``dp`` without scatter, replicate
@@ -28,7 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The phases of a step in the order shown; their means add up to the mean step time.
-PHASES = ("copy", "scatter", "replicate", "forward", "gather", "backward", "allreduce", "optimizer", "other")
+PHASES = (
+    "data",
+    "copy",
+    "scatter",
+    "replicate",
+    "forward",
+    "gather",
+    "backward",
+    "allreduce",
+    "optimizer",
+    "other",
+)
 DP_PHASES = ("scatter", "replicate", "gather")
 
 
@@ -125,6 +137,9 @@ class Case:
     threads: list[int] = field(default_factory=list)  # torch threads of each computing process
     links: list[str] = field(default_factory=list)  # link classes between the devices used
     speedup: float | None = None  # samples/s against single at the same dtype
+    #: ``--devices`` chose GPUs worse connected than others: the best group and its worst link
+    better_devices: list[int] | None = None
+    better_link: str | None = None
     error: str | None = None
 
     @property
@@ -163,6 +178,12 @@ class Case:
         """Mean step time (what the phases add up to)."""
         return sum(self.steps) / len(self.steps) if self.steps else math.nan
 
+    def epoch_time(self, samples: int) -> float:
+        """Seconds for an epoch of ``samples`` samples at this case's samples/s (the seeds'
+        "time per epoch"; CIFAR-10's training set is 50,000 samples)."""
+        rate = self.samples_per_s
+        return samples / rate if rate > 0 else math.nan
+
     def share(self, *names: str) -> float:
         """The phases' share of the mean step time (0–1)."""
         total = self.step_time
@@ -190,6 +211,8 @@ class Case:
             else {str(k): v for k, v in self.peak_memory.items()},
             "threads": self.threads,
             "links": self.links,
+            "better_devices": self.better_devices,
+            "better_link": self.better_link,
             "steps_s": self.steps,
             "error": self.error,
         }
@@ -210,6 +233,10 @@ class Case:
             peak_memory=None if memory is None else {int(k): int(v) for k, v in memory.items()},
             threads=[int(t) for t in data.get("threads", [])],
             links=[str(link) for link in data.get("links", [])],
+            better_devices=None
+            if data.get("better_devices") is None
+            else [int(d) for d in data["better_devices"]],
+            better_link=data.get("better_link"),
             speedup=data.get("speedup"),
             error=data.get("error"),
         )

@@ -45,6 +45,11 @@ class BenchResult:
         return 1 if self.verdict == "fail" else 0
 
     @property
+    def epoch_samples(self) -> int:
+        """The samples of an epoch the time per epoch is given for (``--epoch-samples``)."""
+        return int(self.config.get("epoch_samples") or 50_000)
+
+    @property
     def simulation(self) -> str | None:
         if not self.simulated:
             return None
@@ -59,7 +64,13 @@ class BenchResult:
             "verdict": self.verdict,
             "simulated": self.simulated,
             "config": self.config,
-            "cases": [c.to_json() for c in self.cases],
+            "cases": [
+                {
+                    **c.to_json(),
+                    "epoch_s": c.epoch_time(self.epoch_samples) if c.steps and not c.error else None,
+                }
+                for c in self.cases
+            ],
             "skipped": self.skipped,
             "findings": [f.to_json() for f in self.findings],
         }

@@ -3,8 +3,9 @@
 
 Each case is one runtime run of ``warmup + steps`` steps (the warm-up steps' figures are
 dropped: the first step builds the optimizer, allocates, autotunes). The model and batch
-are the same for every case; the batch is synthetic and placed on its device before the
-first step (the GPU's ceiling: no data loading).
+are the same for every case. ``--data synthetic``: the batch is placed on its device
+before the first step (the GPU's ceiling: no data loading); ``--data loader:N``: each
+training process reads its share of every batch from a real DataLoader (:mod:`.data`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gpudiag.errors import InputError, naming_model
 from gpudiag.progress import note
 from gpudiag.topology.model import Topology
 
+from .data import LoaderData, parse_data
 from .explain import explain
 from .figures import Case, step_times
 from .report import BenchResult
@@ -61,23 +63,50 @@ def _devices(machine: Topology | None) -> tuple[str, list[int]]:
     return ("cuda", list(range(count))) if count else ("virtual", [])
 
 
-def _choose(kind: str, available: list[int], n: int, machine: Topology | None) -> list[int] | None:
-    """``n`` devices: the best-connected group of a machine, the first ``n`` GPUs, or
-    None when there are not enough."""
+def _choose(
+    kind: str, available: list[int], n: int, machine: Topology | None, asked: Sequence[int] | None = None
+) -> list[int] | None:
+    """``n`` devices: the first ``n`` of ``asked`` (``--devices``), else the
+    best-connected group of a machine, else the first ``n`` GPUs; None when there are
+    not enough."""
+    if asked:
+        return list(asked[:n]) if n <= len(asked) else None
     if kind == "virtual" and not available:
         return list(range(n))
     if n > len(available):
         return None
-    if machine is not None and n > 1:
-        from gpudiag.topology.analysis import best_groups
-
-        groups = best_groups(machine, n)
-        if groups:
-            return list(groups[0])
-    return available[:n]
+    best = _best_group(machine, n)
+    return best if best is not None else available[:n]
 
 
-def default_gpus(kind: str, available: list[int]) -> tuple[int, ...]:
+def _best_group(machine: Topology | None, n: int) -> list[int] | None:
+    """The best-connected ``n`` GPUs of ``machine`` (``topology.analysis.best_groups``)."""
+    if machine is None or n < 2:
+        return None
+    from gpudiag.topology.analysis import best_groups
+
+    groups = best_groups(machine, n)
+    return list(groups[0]) if groups else None
+
+
+def _better_connected(devices: Any, ids: list[int], machine: Topology | None) -> tuple[list[int], str] | None:
+    """The best group of as many GPUs and its worst link, when its worst link is better
+    than the worst link between ``ids`` (both known); else None."""
+    from gpudiag.topology.model import link_rank
+
+    best = _best_group(machine, len(ids))
+    if best is None or sorted(best) == sorted(ids):
+        return None
+    worst = min((devices.link(a, b) for a in ids for b in ids if a < b), key=link_rank)
+    best_worst = min((devices.link(a, b) for a in best for b in best if a < b), key=link_rank)
+    if worst is None or best_worst is None or link_rank(best_worst) <= link_rank(worst):
+        return None
+    return best, best_worst
+
+
+def default_gpus(kind: str, available: list[int], asked: Sequence[int] | None = None) -> tuple[int, ...]:
+    if asked:
+        return (len(asked),)
     if kind == "virtual" and not available:
         return (2,)
     return tuple(n for n in (2, 4, 8) if n <= len(available)) or (1,)
@@ -94,6 +123,8 @@ def bench(
     gpus: Sequence[int] | None = None,
     dtypes: Sequence[str] = ("fp32",),
     data: str = "synthetic",
+    devices: Sequence[int] | None = None,
+    epoch_samples: int = 50_000,
     steps: int = 20,
     warmup: int = 3,
     machine: Topology | str | None = None,
@@ -107,19 +138,26 @@ def bench(
     """Measure ``model`` (a ``--model`` spec or a factory) per (strategy, GPU count,
     dtype): samples/s, step time p50/p95, speedup, phases, peak memory. ``convention``:
     ``per_gpu`` (``batch_size`` per GPU) or ``global`` (``batch_size`` in total).
+    ``data``: ``synthetic`` or ``loader[:WORKERS]`` (:mod:`.data`). ``devices``: the GPUs
+    to use (torch indices; a machine's GPU numbers), first ``n`` for ``n`` GPUs; default
+    the best-connected group of a machine, else the first GPUs. ``epoch_samples``: the
+    epoch the time per epoch is given for (default CIFAR-10's 50,000).
     On CPU virtual devices (no GPU, or ``machine`` given) the result is ``simulated``."""
     from gpudiag.hw.sources import read_machine_or_capture
     from gpudiag.models import random_batch, resolve_model
     from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
 
-    if data != "synthetic":
-        raise InputError(f"--data {data}: only synthetic data is measured in this version")
+    data_kind, workers = parse_data(data)
     if steps < 2 or warmup < 1:
         raise InputError("bench needs at least 2 timed steps and 1 warm-up step")
+    if epoch_samples < 1:
+        raise InputError("--epoch-samples must be at least 1")
     source = machine if isinstance(machine, str) else None
     topo = read_machine_or_capture(machine) if isinstance(machine, str) else machine
     kind, available = _devices(topo)
-    counts = tuple(gpus) if gpus else default_gpus(kind, available)
+    if devices is not None:
+        _check_devices(kind, available, devices)
+    counts = tuple(gpus) if gpus else default_gpus(kind, available, devices)
     spec = model if isinstance(model, str) else getattr(model, "__name__", "model")
     factory = resolve_model(model, input_shape, num_classes) if isinstance(model, str) else model
     planned = plan(strategies, counts, dtypes, batch_size, convention)
@@ -129,19 +167,35 @@ def bench(
     with naming_model(spec):
         for strategy, n, dtype, batch in planned:
             label = f"{strategy} ×{n} {dtype}"
-            ids = _choose(kind, available, n, topo)
+            ids = _choose(kind, available, n, topo, devices)
             if ids is None:
-                skipped.append({"case": label, "reason": f"{n} devices asked for, {len(available)} here"})
+                have = f"--devices names {len(devices)}" if devices else f"{len(available)} here"
+                skipped.append({"case": label, "reason": f"{n} devices asked for, {have}"})
                 continue
             if batch not in batches:
                 batches[batch] = random_batch(
                     factory, batch, input_shape, num_classes, "ce", seed, None, input_dtype, input_range
                 )
             inputs, targets = batches[batch]
-            devices = DeviceSet.virtual(ids, topo) if kind == "virtual" else DeviceSet.cuda(ids)
+            device_set = DeviceSet.virtual(ids, topo) if kind == "virtual" else DeviceSet.cuda(ids)
+            loader = (
+                LoaderData(
+                    workers,
+                    batch,
+                    warmup + steps,
+                    input_shape,
+                    num_classes,
+                    input_dtype,
+                    input_range,
+                    seed,
+                    pin_memory=kind == "cuda",
+                )
+                if data_kind == "loader"
+                else None
+            )
             config = RunConfig(
                 strategy,  # type: ignore[arg-type, unused-ignore]
-                devices,
+                device_set,
                 steps=warmup + steps,
                 optimizer=optimizer,  # type: ignore[arg-type, unused-ignore]
                 lr=lr,
@@ -151,11 +205,15 @@ def bench(
                 keep_state=True,  # every timed step applies its update
                 timeout=timeout,
                 time_phases=True,
+                loader=loader,
             )
             case = Case(strategy, n, dtype, batch, _per_gpu(batch, n), devices=ids)
             case.links = sorted(
-                {link for a in ids for b in ids if a < b for link in [devices.link(a, b)] if link}
+                {link for a in ids for b in ids if a < b for link in [device_set.link(a, b)] if link}
             )
+            better = _better_connected(device_set, ids, topo) if strategy != "single" else None
+            if better is not None:
+                case.better_devices, case.better_link = better
             note(f"bench: {label}, batch {batch}")
             try:
                 with _one_thread(kind == "virtual" and strategy != "ddp"):
@@ -178,7 +236,10 @@ def bench(
         "strategies": list(strategies),
         "gpus": list(counts),
         "dtypes": list(dtypes),
-        "data": data,
+        "data": data_kind if data_kind == "synthetic" else f"loader:{workers}",
+        "loader_workers": workers if data_kind == "loader" else None,
+        "devices_asked": list(devices) if devices is not None else None,
+        "epoch_samples": epoch_samples,
         "steps": steps,
         "warmup": warmup,
         "devices": kind,
@@ -189,8 +250,25 @@ def bench(
         "cores": os.cpu_count() or 1,
     }
     return BenchResult(
-        cases, explain(cases, os.cpu_count() or 1), config_out, simulated=kind == "virtual", skipped=skipped
+        cases,
+        explain(cases, os.cpu_count() or 1, workers if data_kind == "loader" else None),
+        config_out,
+        simulated=kind == "virtual",
+        skipped=skipped,
     )
+
+
+def _check_devices(kind: str, available: list[int], asked: Sequence[int]) -> None:
+    """``--devices`` must name distinct devices that exist (any on bare virtual devices)."""
+    if not asked or len(set(asked)) != len(asked):
+        raise InputError(f"--devices must name distinct devices, got {list(asked)}")
+    missing = [d for d in asked if d < 0 or (available and d not in available)]
+    if missing or (kind == "cuda" and not available):
+        where = "CUDA GPUs" if kind == "cuda" else "GPUs of the machine" if available else "devices"
+        raise InputError(
+            f"--devices {','.join(map(str, asked))}: no {' '.join(map(str, missing))} among the {where} "
+            f"({', '.join(map(str, available)) or 'none'})"
+        )
 
 
 @contextlib.contextmanager

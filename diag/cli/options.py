@@ -179,6 +179,33 @@ def gpu_counts(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return None if value is None else dims(ctx, param, value)
 
 
+def device_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """``5,6`` → (5, 6), distinct; None: chosen by the command."""
+    if value is None:
+        return None
+    parts = [d.strip() for d in value.split(",")]
+    if not all(d.isascii() and d.isdigit() for d in parts):
+        raise click.BadParameter(
+            f"bad device list {value!r}: expected numbers like 0,1", ctx=ctx, param=param
+        )
+    ids = tuple(int(d) for d in parts)
+    if len(set(ids)) != len(ids):
+        raise click.BadParameter(f"each device once, got {value!r}", ctx=ctx, param=param)
+    return ids
+
+
+def data_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``synthetic`` | ``loader`` | ``loader:N``, checked while parsing (no torch)."""
+    from gpudiag.checks.bench.data import parse_data
+    from gpudiag.errors import InputError
+
+    try:
+        parse_data(value)
+    except InputError as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"--data {value}: "), ctx=ctx, param=param) from None
+    return value
+
+
 def dtype_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in value.split(",") if s.strip())
     if not names or any(n not in ("fp32", "bf16", "fp16") for n in names):

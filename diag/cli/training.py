@@ -12,6 +12,8 @@ from gpudiag import defaults as D
 from gpudiag.cli.group import cli
 from gpudiag.cli.options import (
     check_trace,
+    data_source,
+    device_list,
     dtype_list,
     format_option,
     gpu_counts,
@@ -229,7 +231,29 @@ def peer(
 @click.option(
     "--dtype", "dtypes", default="fp32", show_default=True, callback=dtype_list, metavar="fp32,bf16,fp16"
 )
-@click.option("--data", default="synthetic", show_default=True, type=click.Choice(["synthetic"]))
+@click.option(
+    "--data",
+    default="synthetic",
+    show_default=True,
+    callback=data_source,
+    metavar="synthetic|loader[:WORKERS]",
+    help="Synthetic tensors on the device, or a real DataLoader with WORKERS worker processes (default 2).",
+)
+@click.option(
+    "--devices",
+    default=None,
+    callback=device_list,
+    metavar="ID,…",
+    help="The GPUs to run on (torch indices; a machine's GPU numbers); the first N for N GPUs. "
+    "Default: the best-connected GPUs of a --machine, else the first.",
+)
+@click.option(
+    "--epoch-samples",
+    default=50_000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Samples in an epoch, for the time per epoch (CIFAR-10's training set: 50,000).",
+)
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(2), help="Timed steps.")
 @click.option(
     "--warmup", default=3, show_default=True, type=click.IntRange(1), help="Steps run first and not timed."

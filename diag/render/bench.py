@@ -42,8 +42,19 @@ def _batch(case: Any) -> str:
     return f"{case.batch} ({case.per_gpu_batch}/GPU)"
 
 
+def _seconds(seconds: float) -> str:
+    return (
+        "—"
+        if not math.isfinite(seconds)
+        else f"{seconds:.1f} s"
+        if seconds < 600
+        else f"{seconds / 60:.1f} min"
+    )
+
+
 def table_rows(result: Any) -> list[list[str]]:
     """The seeds' table: one row per case."""
+    epoch = result.epoch_samples
     rows = []
     for c in result.cases:
         if c.error is not None or not c.steps:
@@ -55,6 +66,7 @@ def table_rows(result: Any) -> list[list[str]]:
                 str(c.gpus),
                 c.dtype,
                 _batch(c),
+                _seconds(c.epoch_time(epoch)),
                 _ms(c.p50),
                 _ms(c.p95),
                 _num(c.samples_per_s),
@@ -72,6 +84,7 @@ HEADER = [
     "GPUs",
     "dtype",
     "batch",
+    "epoch",
     "step p50",
     "step p95",
     "samples/s",
@@ -95,10 +108,13 @@ def _headline(result: Any) -> str:
         if cfg.get("convention") == "per_gpu"
         else f"global batch {cfg.get('batch_size')} (split over the GPUs)"
     )
+    data = cfg.get("data")
+    if cfg.get("loader_workers") is not None:
+        data = f"a DataLoader with {cfg['loader_workers']} worker(s) per process"
     return (
         f"model {cfg.get('model')} · input {'×'.join(map(str, cfg.get('input_shape', [])))} · {convention} · "
-        f"{cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up · data {cfg.get('data')} · "
-        f"timing: {cfg.get('timing')}"
+        f"{cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up · data {data} · "
+        f"epoch = {result.epoch_samples:,} samples · timing: {cfg.get('timing')}"
     )
 
 
@@ -117,7 +133,7 @@ def text(result: Any, stream: TextIO) -> None:
             out.print(f"[yellow]{escape(result.simulation)}[/yellow]")
         table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
         for i, name in enumerate(HEADER):
-            table.add_column(name, justify="left" if i in (0, 2, 3, 10) else "right")
+            table.add_column(name, justify="left" if i in (0, 2, 3, len(HEADER) - 1) else "right")
         for row in table_rows(result):
             table.add_row(*row)
         out.print()

@@ -15,6 +15,7 @@ from gpudiag.errors import InputError
 from gpudiag.findings import Finding
 from gpudiag.runtime.batch import OutputKey
 from gpudiag.runtime.devices import DeviceSet
+from gpudiag.runtime.feed import LoaderFn
 from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Recorder
 
@@ -57,6 +58,10 @@ class RunConfig:
     #: batch placed on its device once, before the first step (synthetic data), and the
     #: peak memory per CUDA device in ``RunResult.timing``. Off: nothing of it runs.
     time_phases: bool = False
+    #: batches from a data loader, one per step (:mod:`gpudiag.runtime.feed`), instead of
+    #: the run's one batch: ``loader(rank, world)``, built where the steps run; with
+    #: ``time_phases`` the wait for each batch is the ``data`` phase
+    loader: LoaderFn | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -13,6 +13,7 @@ with torch's default hook: the runtime adds nothing.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import contextlib
 import importlib
 import math
 import time
@@ -28,6 +29,7 @@ from gpudiag.runtime.batch import call_model, micro_batches, shard, to_device
 from gpudiag.runtime.config import ModelFn, RunConfig, RunResult, numerics_of, sync_batchnorm_note
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
+from gpudiag.runtime.feed import Feed
 from gpudiag.runtime.launch import Ranks, UnpicklableJob, start, start_method
 from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
@@ -307,18 +309,25 @@ def _train(
     timer = None
     if config.time_phases:  # bench: the shard on its device once (synthetic data)
         timer = stepper.timer = PhaseTimer(recorder, device, rank)
-        shard_inputs, shard_targets = to_device(shard_inputs, device), shard_targets.to(device)
+        if config.loader is None:
+            shard_inputs, shard_targets = to_device(shard_inputs, device), shard_targets.to(device)
         reset_peak_memory(config.devices, (config.devices.ids[rank],))
     losses, digests = [], []
-    with nondeterministic_alerts() as alerts:
+    feed = Feed(config.loader, rank, world) if config.loader is not None else None
+    with nondeterministic_alerts() as alerts, feed or contextlib.nullcontext():
         for step in range(1, config.steps + 1):
             state.step = step
             start = recorder.now()
             if timer is not None:
                 timer.begin(step)
+                if feed is not None:
+                    with timer.phase("data"):
+                        shard_inputs, shard_targets = feed.next()
                 with timer.phase("copy"):
                     micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
             else:
+                if feed is not None:
+                    shard_inputs, shard_targets = feed.next()
                 micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
             loss = stepper.step(
                 step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder)

@@ -71,10 +71,15 @@ class ProcessExit(SystemExit):
 def contained(seconds: float, what: str) -> Iterator[None]:
     """Run the user's code in this process under a :func:`deadline`, with ``os._exit``
     turned into :class:`ProcessExit` for the length of the block (the ``os`` module's
-    attribute; the launcher's rank code keeps a reference to the real one)."""
+    attribute; the launcher's rank code keeps a reference to the real one). Only this
+    process is contained: a child forked inside the block (a DataLoader's worker, a
+    ``multiprocessing`` process) leaves through the real ``os._exit``, as fork children do."""
     real_exit = os._exit
+    owner = os.getpid()
 
     def refuse_exit(status: int) -> NoReturn:
+        if os.getpid() != owner:
+            real_exit(status)
         raise ProcessExit(status)
 
     os._exit = refuse_exit

@@ -4,6 +4,7 @@ DataParallel's scatter/replicate/apply/gather over the watched transport for ``d
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from gpudiag.runtime.batch import call_model, micro_batches, to_device
 from gpudiag.runtime.config import ModelFn, RunConfig, RunResult, sync_batchnorm_note
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.faults import FaultPlan
+from gpudiag.runtime.feed import Feed
 from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Recorder, StepRecord
 from gpudiag.runtime.stepping import Stepper, _cpu, build_model, output_selector
@@ -45,19 +47,26 @@ def run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Run
     timer, used = None, devices.ids[:1] if config.strategy == "single" else devices.ids
     if config.time_phases:  # bench: the batch on its device once (synthetic data)
         timer = transport.timer = stepper.timer = PhaseTimer(recorder, first)
-        inputs, targets = to_device(inputs, first), targets.to(first)
+        if config.loader is None:
+            inputs, targets = to_device(inputs, first), targets.to(first)
         reset_peak_memory(devices, used)
-    with nondeterministic_alerts() as alerts:
+    feed = Feed(config.loader) if config.loader is not None else None
+    with nondeterministic_alerts() as alerts, feed or contextlib.nullcontext():
         for step in range(1, config.steps + 1):
             transport.step = step
             start = recorder.now()
             if timer is not None:
                 timer.begin(step)
+                if feed is not None:
+                    with timer.phase("data"):
+                        inputs, targets = feed.next()
                 with timer.phase("copy"):
                     micro = micro_batches(inputs, targets, config.accumulate, first)
                 loss = stepper.step(step, micro)
                 timer.end()
             else:
+                if feed is not None:
+                    inputs, targets = feed.next()
                 loss = stepper.step(step, micro_batches(inputs, targets, config.accumulate, first))
             losses.append(loss)
             if recorder.enabled:

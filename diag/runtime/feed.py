@@ -1,0 +1,68 @@
+"""Batches from a data loader, one per step (``RunConfig.loader``): the runtime's way to
+train on a real input pipeline rather than one synthetic batch.
+
+``RunConfig.loader`` is a picklable callable ``loader(rank, world) -> iterable`` of
+``(inputs, targets)`` batches — typically a ``torch.utils.data.DataLoader`` over this
+process's share of the data (``rank`` and ``world`` are 0 and 1 for ``single`` and
+``dp``; a DDP rank builds its own, as every process of a ``torchrun`` job builds its
+``DataLoader``). It is called where the steps run, so its worker processes are children
+of the process that trains, as in a user's script. With ``time_phases`` the wait for
+each batch is the ``data`` phase (what the training loop spends in ``next(loader)``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from gpudiag.errors import InputError
+
+#: ``loader(rank, world)`` → batches ``(inputs, targets)``, one per step.
+LoaderFn = Callable[[int, int], Iterable[tuple[Any, Any]]]
+
+
+class Feed:
+    """One process's batches from ``loader``; :meth:`close` stops its workers.
+
+    A forked DDP rank is a daemonic ``multiprocessing`` process, which Python forbids to
+    start children; its launcher reaps it (and its children leave with it: a DataLoader
+    worker ends when its parent is gone), so the rank is marked non-daemonic before a
+    loader may start workers in it."""
+
+    def __init__(self, loader: LoaderFn, rank: int = 0, world: int = 1):
+        me = multiprocessing.current_process()
+        if me.daemon:
+            me.daemon = False
+        self._batches: Iterator[tuple[Any, Any]] | None = iter(loader(rank, world))
+        self.taken = 0
+
+    def next(self) -> tuple[Any, Any]:
+        """The next ``(inputs, targets)``; a loader that runs out early is bad input."""
+        if self._batches is None:
+            raise RuntimeError("the feed is closed")
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise InputError(
+                f"the data loader ran out after {self.taken} batches: it must give one per step"
+            ) from None
+        self.taken += 1
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise InputError("the data loader must give (inputs, targets) pairs")
+        return batch[0], batch[1]
+
+    def close(self) -> None:
+        """Stop the loader's workers now: a ``DataLoader`` iterator's own shutdown (what it
+        runs when released; called here because an exception's traceback may still hold
+        the iterator), guarded — any other iterable is just released."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
+    def __enter__(self) -> Feed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
