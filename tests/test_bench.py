@@ -331,3 +331,49 @@ def test_devices_that_are_not_there_are_refused() -> None:
     assert got.exit_code == 2 and "no 9 among the GPUs of the machine" in got.output
     for bad in (["--devices", "0,0"], ["--devices", "a"], ["--data", "loader:x"], ["--epoch-samples", "0"]):
         assert CliRunner().invoke(cli, ["bench", "--model", "mlp", *bad]).exit_code == 2
+
+
+def test_rank_figures_and_a_straggler() -> None:
+    from gpudiag.checks.bench.figures import rank_figures
+
+    events = [*_step(1, 9.0, 0, forward=9.0), *_step(1, 9.0, 1, forward=9.0)]  # warm-up
+    events += [*_step(2, 1.0, 0, forward=0.3, backward=0.6), Phase(2, "allreduce", 0.6, 1.0, 0)]
+    events += [*_step(2, 1.0, 1, forward=0.2, backward=0.8), Phase(2, "allreduce", 0.3, 1.0, 1)]
+    ranks = rank_figures(events, 1, ["a", "b"])
+    assert [(r["rank"], r["host"]) for r in ranks] == [(0, "a"), (1, "b")]
+    # backward holds the exposed all-reduce (from the last bucket ready to the end): rank 1
+    # computed 0.2 + 0.1 and waited 0.7 for rank 0, which computed 0.3 + 0.2
+    assert [r["compute_s"] for r in ranks] == pytest.approx([0.5, 0.3])
+    assert [r["allreduce_s"] for r in ranks] == pytest.approx([0.4, 0.7])
+    case = _case("ddp", 4, step=0.1)
+    case.ranks = [{"rank": i, "host": f"n{i}", "compute_s": 0.05, "allreduce_s": 0.04} for i in range(4)]
+    assert explain([case], 64) == []
+    case.ranks[2] = {"rank": 2, "host": "n2", "compute_s": 0.09, "allreduce_s": 0.001}
+    (finding,) = explain([case], 64)
+    assert finding.code == "rank-straggler" and "rank 2 on n2" in finding.message
+    case.ranks[2]["allreduce_s"] = 0.05  # it waits as long as the others: not what holds them up
+    assert explain([case], 64) == []
+
+
+def test_bench_under_torchrun_gathers_every_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "GPUDIAG_HOSTNAME": "node-a"}
+    args = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "gpudiag", "bench", "--model", "mlp"]
+    args += ["--input-shape", "8", "--strategies", "single,ddp", "--steps", "2", "--warmup", "1"]
+    args += ["--format", "json", "-o", str(tmp_path / "b.json")]
+    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)  # one document: rank 0 speaks
+    assert doc == json.loads((tmp_path / "b.json").read_text())
+    (case,) = doc["cases"]
+    assert case["strategy"] == "ddp" and case["gpus"] == 2 and case["timed_steps"] == 2
+    assert [(r["rank"], r["host"]) for r in case["ranks"]] == [(0, "node-a"), (1, "node-a")]
+    assert doc["skipped"][0]["case"] == "single" and "torchrun" in doc["skipped"][0]["reason"]

@@ -27,6 +27,8 @@ INPUT_BOUND_SHARE = 0.10
 #: :data:`MEMORY_IMBALANCE_MIN` bytes more.
 MEMORY_IMBALANCE_RATIO = 1.25
 MEMORY_IMBALANCE_MIN = 256 * 2**20
+#: A DDP rank whose own compute per step is this multiple of the other ranks' median.
+STRAGGLER_RATIO = 1.25
 
 
 def _pct(x: float) -> str:
@@ -41,9 +43,8 @@ def explain(cases: list[Case], cores: int, loader_workers: int | None = None) ->
     found: list[Finding] = []
     for case in ok:
         found += _input_bound(case, loader_workers, cores) + _dp_overhead(case) + _memory_imbalance(case)
-        found += (
-            _comm_exposed(case) + _poorly_connected(case) + _small_batch(case) + _oversubscribed(case, cores)
-        )
+        found += _comm_exposed(case) + _poorly_connected(case) + _stragglers(case)
+        found += _small_batch(case) + _oversubscribed(case, cores)
     found += _amp_no_gain(ok)
     return found
 
@@ -127,6 +128,40 @@ def _poorly_connected(case: Case) -> list[Finding]:
             "the best-connected groups)",
         )
     ]
+
+
+def _stragglers(case: Case) -> list[Finding]:
+    from statistics import median
+
+    ranks = [r for r in case.ranks if r.get("compute_s") is not None]
+    if len(ranks) < 2:
+        return []
+    found = []
+    for r in ranks:
+        others = median(o["compute_s"] for o in ranks if o is not r)
+        waits = median(o.get("allreduce_s", 0.0) for o in ranks if o is not r)
+        if others <= 0 or r["compute_s"] < STRAGGLER_RATIO * others:
+            continue
+        if r.get("allreduce_s", 0.0) >= waits:
+            continue  # the others do not wait for it: noise, not a straggler
+        where = f" on {r['host']}" if r.get("host") else ""
+        found.append(
+            Finding(
+                "rank-straggler",
+                "warning",
+                f"{case.label}: rank {r['rank']}{where} computes a step in {1e3 * r['compute_s']:.2f} ms, "
+                f"{r['compute_s'] / others:.2f}× the other ranks' {1e3 * others:.2f} ms; they wait for it "
+                "in every all-reduce",
+                _evidence(
+                    case, rank=r["rank"], host=r.get("host"), compute_s=r["compute_s"], others_s=others
+                ),
+                cause="one process is slower than its peers: a throttled or shared GPU, a busier CPU or "
+                "input pipeline on its node, a different GPU model — DDP runs at the slowest rank's pace",
+                fix=f"look at rank {r['rank']}'s node (nvidia-smi -q -d PERFORMANCE,CLOCK for throttling, "
+                "other processes on its GPU, its CPU load); gpudiag sweep compares nodes",
+            )
+        )
+    return found
 
 
 def _dp_overhead(case: Case) -> list[Finding]:

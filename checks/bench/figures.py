@@ -118,6 +118,34 @@ def step_times(strategy: str, events: Iterable[Any], warmup: int) -> StepTimes:
     return StepTimes(steps, phases, sum(hidden) / len(hidden) if hidden else None)
 
 
+def rank_figures(events: Iterable[Any], warmup: int, hosts: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """DDP: each rank's own figures over the timed steps — ``rank``, ``host`` (where it
+    ran, when known), ``step_p50_s``, ``compute_s`` (mean data + copy + forward + backward +
+    optimizer: the rank's own work) and ``allreduce_s`` (mean exposed all-reduce: mostly
+    waiting for the slowest rank). Every rank's step ends with the same all-reduce, so the
+    step times agree and a slow rank (or node, under torchrun) shows in its compute."""
+    by_rank: dict[int, list[Any]] = defaultdict(list)
+    for p in events:
+        if p.step > warmup and p.device is not None:
+            by_rank[p.device].append(p)
+    out = []
+    own = ("data", "copy", "forward", "backward", "optimizer")
+    for rank in sorted(by_rank):
+        times, rows, _ = _fold("ddp", by_rank[rank])
+        if not times:
+            continue
+        out.append(
+            {
+                "rank": rank,
+                "host": hosts[rank] if rank < len(hosts) else None,
+                "step_p50_s": percentile(times, 50),
+                "compute_s": sum(r[n] for r in rows for n in own) / len(rows),
+                "allreduce_s": sum(r["allreduce"] for r in rows) / len(rows),
+            }
+        )
+    return out
+
+
 @dataclass
 class Case:
     """One measured configuration: ``strategy`` on ``gpus`` devices at ``dtype``, with
@@ -140,6 +168,8 @@ class Case:
     #: ``--devices`` chose GPUs worse connected than others: the best group and its worst link
     better_devices: list[int] | None = None
     better_link: str | None = None
+    #: ddp: each rank's figures (:func:`rank_figures`)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -213,6 +243,7 @@ class Case:
             "links": self.links,
             "better_devices": self.better_devices,
             "better_link": self.better_link,
+            "ranks": self.ranks,
             "steps_s": self.steps,
             "error": self.error,
         }
@@ -237,6 +268,7 @@ class Case:
             if data.get("better_devices") is None
             else [int(d) for d in data["better_devices"]],
             better_link=data.get("better_link"),
+            ranks=[dict(r) for r in data.get("ranks") or []],
             speedup=data.get("speedup"),
             error=data.get("error"),
         )

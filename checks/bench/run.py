@@ -17,11 +17,12 @@ from typing import Any
 
 from gpudiag.errors import InputError, naming_model
 from gpudiag.progress import note
+from gpudiag.runtime.launch import torchrun_world
 from gpudiag.topology.model import Topology
 
 from .data import LoaderData, parse_data
 from .explain import explain
-from .figures import Case, step_times
+from .figures import Case, rank_figures, step_times
 from .report import BenchResult
 
 CONVENTIONS = ("per_gpu", "global")
@@ -158,16 +159,34 @@ def bench(
     if devices is not None:
         _check_devices(kind, available, devices)
     counts = tuple(gpus) if gpus else default_gpus(kind, available, devices)
+    world = torchrun_world()
+    skipped: list[dict[str, Any]] = []
+    if world is not None:  # every process of the job runs this; the ranks' figures are gathered
+        skipped = [
+            {
+                "case": s,
+                "reason": "under torchrun only ddp is measured (one process per GPU); run bench "
+                "without torchrun for single and dp",
+            }
+            for s in strategies
+            if s != "ddp"
+        ]
+        strategies, counts = [s for s in strategies if s == "ddp"], (world,)
+        if not strategies:
+            raise InputError("under torchrun bench measures ddp: add ddp to --strategies")
     spec = model if isinstance(model, str) else getattr(model, "__name__", "model")
     factory = resolve_model(model, input_shape, num_classes) if isinstance(model, str) else model
     planned = plan(strategies, counts, dtypes, batch_size, convention)
     batches: dict[int, Any] = {}
     cases: list[Case] = []
-    skipped: list[dict[str, Any]] = []
     with naming_model(spec):
         for strategy, n, dtype, batch in planned:
             label = f"{strategy} ×{n} {dtype}"
-            ids = _choose(kind, available, n, topo, devices)
+            ids = (
+                _choose(kind, available, n, topo, devices)
+                if world is None
+                else _local_ids(kind, available, n)
+            )
             if ids is None:
                 have = f"--devices names {len(devices)}" if devices else f"{len(available)} here"
                 skipped.append({"case": label, "reason": f"{n} devices asked for, {have}"})
@@ -226,6 +245,8 @@ def bench(
             case.steps, case.phases, case.allreduce_hidden = timed.steps, timed.phases, timed.allreduce_hidden
             case.peak_memory = result.timing.get("peak_memory") if kind == "cuda" else None
             case.threads = list(result.timing.get("threads", []))
+            if strategy == "ddp":
+                case.ranks = rank_figures(result.recorder.phases, warmup, result.timing.get("hosts", []))
             cases.append(case)
     _speedups(cases)
     config_out = {
@@ -256,6 +277,17 @@ def bench(
         simulated=kind == "virtual",
         skipped=skipped,
     )
+
+
+def _local_ids(kind: str, available: list[int], world: int) -> list[int]:
+    """Under torchrun: this machine's devices, one per local process (``LOCAL_WORLD_SIZE``
+    CUDA GPUs; virtual devices: one per rank of the job)."""
+    if kind == "virtual":
+        return list(range(world))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", len(available)))
+    if local > len(available):
+        raise InputError(f"torchrun starts {local} processes on this node, {len(available)} CUDA GPUs here")
+    return available[:local]
 
 
 def _check_devices(kind: str, available: list[int], asked: Sequence[int]) -> None:

@@ -288,7 +288,13 @@ def bench(
         return
     if not options["model"]:
         raise click.UsageError("--model is required (or --compare BEFORE AFTER)")
-    if output:
+    import os
+
+    from gpudiag.runtime.launch import torchrun_env
+
+    # Under torchrun every process measures; the ranks' figures are gathered and rank 0 speaks.
+    speaks = not torchrun_env() or os.environ.get("RANK") == "0"
+    if output and speaks:
         from gpudiag.fileio import check_target
 
         check_target(output, force=force)
@@ -297,6 +303,8 @@ def bench(
 
     with shown():
         result = run_bench(options.pop("model"), convention="per_gpu" if per_gpu else "global", **options)
+    if not speaks:
+        ctx.exit(result.exit_code())
     if output:
         import json
 

@@ -17,6 +17,7 @@ from gpudiag.render.text import findings as text_findings
 from gpudiag.render.text import text_console
 
 BAR_WIDTH = 30
+RANKS_SHOWN = 8  # DDP ranks listed under a case, slowest first
 _STRATEGY = {"single": "single", "dp": "DataParallel", "ddp": "DDP"}
 
 
@@ -146,6 +147,16 @@ def text(result: Any, stream: TextIO) -> None:
             for name, seconds, share in _phases(c):
                 bar = "█" * max(1, round(share * BAR_WIDTH)) if share >= 0.005 else "▏"
                 out.print(f"  {name:<10} {bar:<{BAR_WIDTH}} {100 * share:5.1f} %  {_ms(seconds)}")
+            ranks = sorted(c.ranks, key=lambda r: -r.get("compute_s", 0.0))
+            if len(ranks) > 1:
+                shown = ranks[:RANKS_SHOWN]
+                more = f" (slowest {RANKS_SHOWN} of {len(ranks)})" if len(ranks) > RANKS_SHOWN else ""
+                out.print(f"  ranks{more}, own compute / all-reduce wait per step:")
+                for r in shown:
+                    host = f" {escape(str(r['host']))}" if r.get("host") else ""
+                    out.print(
+                        f"    rank {r['rank']}{host}: {_ms(r.get('compute_s'))} / {_ms(r.get('allreduce_s'))}"
+                    )
             if c.allreduce_hidden:
                 out.print(
                     f"  {'':<10} {'':<{BAR_WIDTH}} all-reduce hidden under backward: "

@@ -17,7 +17,7 @@ import contextlib
 import importlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.errors import InputError
+from gpudiag.identity import hostname
 from gpudiag.runtime.batch import call_model, micro_batches, shard, to_device
 from gpudiag.runtime.config import ModelFn, RunConfig, RunResult, numerics_of, sync_batchnorm_note
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.faults import FaultPlan, corrupt
 from gpudiag.runtime.feed import Feed
-from gpudiag.runtime.launch import Ranks, UnpicklableJob, start, start_method
+from gpudiag.runtime.launch import Ranks, UnpicklableJob, local_index, start, start_method, torchrun_world
 from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.stats import norm_and_nonfinite, norms_and_nonfinite
@@ -59,6 +60,9 @@ class HookState:
     faults: FaultPlan = field(default_factory=FaultPlan)
     step: int = 1
     pending: list[_Pending] = field(default_factory=list)
+    #: called with each bucket and its ``[norm, non-finite count]`` before the all-reduce
+    #: changes the buffer (``gpudiag.watch`` names the parameters of a non-finite bucket)
+    on_bucket: Callable[[dist.GradBucket, torch.Tensor], None] | None = None
 
     def flush(self, recorder: Recorder) -> None:
         """Turn this step's buckets into :class:`Bucket` events, every statistic read back
@@ -95,6 +99,8 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     due = state.faults.due_on_rank(state.rank, state.step) if state.faults else []
     pending = _Pending(bucket.index(), norm_and_nonfinite(tensor), [f.text for f in due], time.perf_counter())
     state.pending.append(pending)
+    if state.on_bucket is not None:
+        state.on_bucket(bucket, pending.before)
     tensor.div_(state.world_size)
     future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr, unused-ignore]
 
@@ -139,7 +145,7 @@ def start_ddp(jobs: Sequence[tuple[ModelFn, RunConfig]], inputs: Any, targets: t
     devices = configs[0].devices
     if any(c.devices != devices for c in configs):
         raise ValueError("DDP runs started together must use the same devices")
-    world = len(devices)
+    world = torchrun_world() or len(devices)  # under torchrun: its processes, on every node
     shards = len(targets.chunk(world))
     if shards < world:
         raise InputError(f"a batch of {len(targets)} gives {shards} shard(s) for {world} DDP ranks")
@@ -225,7 +231,11 @@ class DdpRuns:
 def _timing(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """bench: every rank's peak memory (one CUDA device each) and threads, together."""
     peaks = {int(d): b for r in ranks for d, b in r["timing"]["peak_memory"].items()}
-    return {"peak_memory": peaks, "threads": [t for r in ranks for t in r["timing"]["threads"]]}
+    return {
+        "peak_memory": peaks,
+        "threads": [t for r in ranks for t in r["timing"]["threads"]],
+        "hosts": [r["timing"].get("host", "") for r in ranks],
+    }
 
 
 def _buffer_sync(broadcast: bool) -> dict[str, Any]:
@@ -275,7 +285,8 @@ def _train(
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = config.devices.kind == "cuda"
-    device = config.devices.torch_device(config.devices.ids[rank])
+    own = config.devices.ids[local_index(rank)]  # this machine's device of this rank
+    device = config.devices.torch_device(own)
     if cuda:
         torch.cuda.set_device(device)
     model = build_model(model_fn, config.seed).to(device)
@@ -311,7 +322,7 @@ def _train(
         timer = stepper.timer = PhaseTimer(recorder, device, rank)
         if config.loader is None:
             shard_inputs, shard_targets = to_device(shard_inputs, device), shard_targets.to(device)
-        reset_peak_memory(config.devices, (config.devices.ids[rank],))
+        reset_peak_memory(config.devices, (own,))
     losses, digests = [], []
     feed = Feed(config.loader, rank, world) if config.loader is not None else None
     with nondeterministic_alerts() as alerts, feed or contextlib.nullcontext():
@@ -353,8 +364,9 @@ def _train(
         "numerics": Numerics.observe().to_json(),
         "nondeterministic": alerts,
         "timing": {
-            "peak_memory": peak_memory(config.devices, (config.devices.ids[rank],)),
+            "peak_memory": peak_memory(config.devices, (own,)),
             "threads": [torch.get_num_threads()],
+            "host": hostname(),
         }
         if config.time_phases
         else {},

@@ -108,6 +108,19 @@ def torchrun_env(env: Mapping[str, str] | None = None) -> bool:
     return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
+def torchrun_world(env: Mapping[str, str] | None = None) -> int | None:
+    """The torchrun job's world size (``WORLD_SIZE``); None outside torchrun."""
+    env = os.environ if env is None else env
+    return int(env["WORLD_SIZE"]) if torchrun_env(env) else None
+
+
+def local_index(rank: int, env: Mapping[str, str] | None = None) -> int:
+    """Which of this machine's devices rank ``rank`` uses: torchrun's ``LOCAL_RANK`` (one
+    process per GPU on every node), else the rank itself (ranks launched here)."""
+    env = os.environ if env is None else env
+    return int(env.get("LOCAL_RANK", rank)) if torchrun_env(env) else rank
+
+
 def start_method(backend: str) -> str:
     """``fork`` for CPU ranks when this process holds no CUDA context and runs no other
     thread; else ``subprocess`` (a fresh interpreter per rank). A CUDA context does not
