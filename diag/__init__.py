@@ -12,7 +12,9 @@ imported on first use (torch with it, where it needs torch):
 - ``inspect_checkpoint(path)`` / ``convert_checkpoint(src, dst, ...)`` — ``gpudiag ckpt``;
 - ``doctor(machine=None)`` — the checks ``gpudiag doctor`` runs, as a report (no bundle);
 - ``bench(factory_or_spec, batch_size=..., strategies=..., gpus=..., dtypes=...)`` —
-  ``gpudiag bench``.
+  ``gpudiag bench``;
+- ``watch(model, on_nonfinite="raise")`` — name the rank, module and step where training
+  first goes non-finite (``NonFiniteError``); docs/watch.md.
 """
 
 __version__ = "0.1.0"
@@ -28,6 +30,8 @@ _API = {
     "convert_checkpoint": ("gpudiag.repro.checkpoint", "convert"),
     "doctor": ("gpudiag.repro.report", "doctor"),
     "bench": ("gpudiag.checks.bench", "bench"),
+    "watch": ("gpudiag.watch", "watch"),
+    "NonFiniteError": ("gpudiag.watch.record", "NonFiniteError"),
 }
 __all__ = ["__version__", *_API]
 

@@ -161,10 +161,43 @@ def dp_forward(
     outputs = []
     for i in range(count):
         start = now()
-        outputs.append(pick(torch.func.functional_call(module, states[i], tuple(inputs[i]), kw_inputs[i])))
+        transport.replica = ids[i]
+        try:
+            outputs.append(
+                pick(torch.func.functional_call(module, states[i], tuple(inputs[i]), kw_inputs[i]))
+            )
+        finally:
+            transport.replica = None
         phase("forward", start, ids[i])
 
     start = now()
     result = gather(outputs, ids, transport)
     phase("gather", start)
     return result
+
+
+class VirtualDataParallel(nn.Module):
+    """``nn.DataParallel`` over a :class:`~gpudiag.runtime.devices.DeviceSet`: on CPU
+    virtual devices (laid out like a machine: ``DeviceSet.virtual([5, 6], machine)``) it
+    runs the same scatter/replicate/apply/gather arithmetic as DataParallel on those GPUs,
+    every copy through a :class:`Transport` that records it (link, checksums, NaN/Inf
+    count) and can break it (``faults``: ``--inject`` specs; ``@STEP`` counts forwards
+    with gradients on, from 1). ``module`` lives on the first device, as for
+    ``nn.DataParallel``; what ``gpudiag.watch`` watches on a CPU-only machine."""
+
+    def __init__(self, module: nn.Module, devices: Any, faults: Sequence[str] = ()):
+        super().__init__()
+        from gpudiag.runtime.faults import FaultPlan
+        from gpudiag.runtime.record import Recorder
+
+        self.module = module
+        self.transport = Transport(devices, Recorder(enabled=True), FaultPlan.parse(list(faults)))
+        self.transport.step = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.transport.step += 1
+            recorder = self.transport.recorder
+            if recorder is not None:  # the transfers of the previous forwards are not kept
+                recorder.transfers = [t for t in recorder.transfers if t.step >= self.transport.step - 1]
+        return dp_forward(self.module, args, kwargs, self.transport)

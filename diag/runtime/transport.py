@@ -27,6 +27,8 @@ class Transport:
         self.recorder = recorder if recorder is not None and recorder.enabled else None
         self.faults = faults or FaultPlan()
         self.step = 1
+        #: dp_forward: the device whose replica is running its forward now (None between)
+        self.replica: int | None = None
         #: bench: dp_forward times its phases on this (a ``timing.PhaseTimer``) when set
         self.timer: Any = None
 

@@ -1,0 +1,734 @@
+"""The watcher: hooks on the user's model that find the first non-finite value.
+
+Cost model (a clean step):
+
+- every module's forward hook keeps a *reference* to its output (no computation; the
+  tensors are the ones autograd keeps for backward anyway) — only read when a step goes
+  bad, to name the first module whose output was non-finite;
+- the model's outputs get one float32 sum each (a witness: non-finite whenever any element
+  is) and a gradient hook whose sum witnesses the gradient coming in from the loss;
+- gradients: under DDP, the runtime's :func:`~gpudiag.runtime.ddp.watch_hook` (torch's
+  ``allreduce_hook`` plus the norm of every bucket before the all-reduce); the norm of what
+  came back is taken after backward; elsewhere (single device, DataParallel, ``no_sync``
+  micro-steps) the norm of every parameter's gradient (:func:`norms_and_nonfinite`);
+- at the end of each backward every witness is read back with **one** host sync; under
+  DDP a word per rank (the first step its own values went non-finite, and the first it
+  received non-finite from the all-reduce) is all-reduced (MIN) on the way, so every rank
+  learns the same thing at the same step.
+
+Only when a witness is not finite does the watcher look closer (exact NaN/Inf counts of
+the kept outputs, per-parameter gradients, the DataParallel transfers), and under DDP the
+ranks then exchange what each saw (``all_gather_object``). A witness that overflowed on
+finite values is found to be clean there, and not reported.
+"""
+
+# No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
+import math
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpudiag.errors import InputError
+from gpudiag.runtime.ddp import HookState, watch_hook
+from gpudiag.runtime.stats import norm_and_nonfinite, norms_and_nonfinite
+from gpudiag.watch.record import (
+    NonFiniteError,
+    NonFiniteReport,
+    NonFiniteWarning,
+    Transfer,
+    record_dir,
+    write_record,
+)
+
+MODES = ("raise", "warn", "record")
+#: Module outputs kept per step at most (beyond it, forward localisation stops for the step).
+TRAIL_LIMIT = 100_000
+_INF = math.inf
+
+
+@dataclass
+class _Seen:
+    """One module's forward call: what it got and gave (references, not copies)."""
+
+    path: str
+    module: nn.Module
+    inputs: Any
+    output: Any
+    replica: int | None  # VirtualDataParallel: the virtual device running this replica
+
+
+@dataclass
+class _Local:
+    """What this rank saw go non-finite first (sent to the other ranks on a fault)."""
+
+    step: int
+    phase: str
+    module: str
+    device: str
+    detail: str
+    rank: int
+    transfer: dict[str, Any] | None = None
+    kind: str = "fault"
+    blind: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _CommState:
+    """The DDP comm hook's state: the runtime's :class:`HookState` and the watcher (None
+    once closed: the hook is then torch's ``allreduce_hook``)."""
+
+    hook: HookState
+    group: Any
+    watcher: Any = None  # weakref.ref[Watcher] | None
+
+
+def _bucket_hook(state: _CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``allreduce_hook`` with the runtime's per-bucket statistics while watching."""
+    watcher = state.watcher() if state.watcher is not None else None
+    if watcher is None or watcher.done:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook(state.group, bucket)
+    watcher._synced = True
+    return watch_hook(state.hook, bucket)
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Floating-point tensors inside an output (tensors, tuples, lists, dicts, ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            yield obj
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth + 1)
+
+
+def _bad_count(obj: Any) -> tuple[int, int]:
+    """(NaN/Inf count, element count) over the floating tensors of ``obj`` (exact; slow path)."""
+    bad = total = 0
+    for t in _tensors(obj):
+        data = t.detach()
+        bad += int((~torch.isfinite(data)).sum())
+        total += data.numel()
+    return bad, total
+
+
+def _witness(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 value per tensor, non-finite whenever any of its elements is."""
+    return torch.stack([t.detach().sum(dtype=torch.float32).reshape(()) for t in tensors])
+
+
+class Watcher:
+    """Watches a model for the first non-finite value; see :func:`watch`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        on_nonfinite: str = "raise",
+        *,
+        scaler: Any = None,
+        root: nn.Module | None = None,
+        record_dir: str | Path | bool | None = None,
+        localize: bool = True,
+    ):
+        if on_nonfinite not in MODES:
+            raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
+        if not isinstance(model, nn.Module):
+            raise InputError(f"gpudiag.watch needs a torch.nn.Module, got {type(model).__name__}")
+        from torch.nn.parallel import DistributedDataParallel
+
+        from gpudiag.runtime.dp import VirtualDataParallel
+
+        self.model, self.mode, self.scaler = model, on_nonfinite, scaler
+        self._record_dir = record_dir
+        self.ddp: Any = None
+        self.dp: Any = None
+        self.vdp: Any = None
+        self.compiled = False
+        inner = model
+        while True:
+            if isinstance(inner, DistributedDataParallel):
+                self.ddp, inner = inner, inner.module
+            elif isinstance(inner, nn.DataParallel):
+                self.dp, inner = inner, inner.module
+            elif isinstance(inner, VirtualDataParallel):
+                self.vdp, inner = inner, inner.module
+            elif type(inner).__name__ == "OptimizedModule" and isinstance(
+                getattr(inner, "_orig_mod", None), nn.Module
+            ):
+                self.compiled, inner = True, inner._orig_mod  # type: ignore[assignment]
+            else:
+                break
+        self.inner = root if root is not None else inner
+        self.placement = "ddp" if self.ddp is not None else "dp" if self.dp is not None else "single"
+        if self.vdp is not None:
+            self.placement = "dp-virtual"
+        self.group = self.ddp.process_group if self.ddp is not None else None
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.group_rank = dist.get_rank(self.group) if self.ddp is not None else 0
+        self.world = dist.get_world_size(self.group) if self.ddp is not None else 1
+        first = next(iter(self.inner.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.names = {id(p): n for n, p in self.inner.named_parameters()}
+        self.owner = {id(p): n.rpartition(".")[0] for n, p in self.inner.named_parameters()}
+        self.index = {id(p): i for i, p in enumerate(self.inner.parameters())}
+        self.blind: list[str] = []
+        if self.compiled:
+            self.blind.append(
+                "torch.compile: the modules inside the compiled model are not watched one by one "
+                "(a forward fault is named at the model's output; gradients still per parameter)"
+            )
+        if not localize:
+            self.blind.append("localize=False: forward faults are named at the model's output")
+
+        self.step = 0  # backward passes completed
+        self.done = False  # the first fault was reported: nothing more is checked
+        self.closed = False
+        self.report: NonFiniteReport | None = None
+        self.events: list[NonFiniteReport] = []  # the fault and every GradScaler-skipped overflow
+        self._handles: list[Any] = []
+        self._trail: list[_Seen] = []
+        self._order: dict[str, int] = {}  # module path → first position in forward order
+        self._inputs: list[Any] = []
+        self._outputs: list[tuple[torch.Tensor, Any]] = []  # (witness, output) per root forward
+        self._out_grads: list[torch.Tensor] = []
+        self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
+        self._queued = False
+        self._synced = False
+        self._dirty = False
+        self._bad_params: list[tuple[int, str, int, int]] = []  # (bucket order, name, bad, numel)
+        self._bucket_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._local: _Local | None = None  # a no_sync micro-step's local fault, not yet agreed
+
+        self._handles.append(model.register_forward_pre_hook(self._pre_root))
+        self._handles.append(model.register_forward_hook(self._post_root))
+        if localize and not self.compiled:
+            for path, module in self.inner.named_modules():
+                self._handles.append(module.register_forward_hook(self._module_hook(path)))
+        self._comm: _CommState | None = None
+        if self.ddp is not None:
+            state = HookState(self.group_rank, self.world)
+            state.on_bucket = self._on_bucket
+            self._comm = _CommState(state, self.group, weakref.ref(self))
+            try:
+                self.ddp.register_comm_hook(self._comm, _bucket_hook)
+            except RuntimeError as exc:
+                self.close()
+                raise InputError(
+                    "gpudiag.watch registers a DDP communication hook, and this model has one already "
+                    f"({exc}); watch the model before registering yours, or without it"
+                ) from exc
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def _module_hook(self, path: str) -> Any:
+        trail = self._trail
+
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self.done or not torch.is_grad_enabled() or len(trail) >= TRAIL_LIMIT:
+                return
+            vdp = self.vdp
+            trail.append(_Seen(path, module, inputs, output, vdp.transport.replica if vdp else None))
+
+        return hook
+
+    def _pre_root(self, module: nn.Module, inputs: Any) -> None:
+        if self.done or not torch.is_grad_enabled():
+            return
+        if not self._awaiting and not self._queued:
+            self._trail.clear()
+            self._inputs.clear()
+            self._outputs.clear()
+        self._inputs.append(inputs)
+
+    def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if self.done or not torch.is_grad_enabled():
+            return
+        tensors = list(_tensors(output))
+        if not tensors:
+            return
+        self._dirty = True
+        self._outputs.append((_witness(tensors), output))
+        for t in tensors:
+            if t.requires_grad:
+                self._awaiting = True
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if self.done:
+            return
+        self._out_grads.append(grad.detach().sum(dtype=torch.float32).reshape(()))
+        if not self._queued:
+            self._queued = True
+            # Runs once the backward is over; it queues the check behind DDP's own
+            # end-of-backward work (queued later), so the all-reduced gradients are in place.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
+
+    def _on_bucket(self, bucket: dist.GradBucket, before: torch.Tensor) -> None:
+        """Before the all-reduce: on the CPU the bucket's norm is on the host already, so
+        a non-finite bucket's parameters are named now; on CUDA each gradient's norm is
+        kept (one multi-tensor launch) and read only if the step goes bad."""
+        grads = bucket.gradients()
+        if before.is_cuda:
+            norms = torch.stack([n.reshape(()) for n in torch._foreach_norm(grads)])
+            self._bucket_norms.append((list(bucket.parameters()), norms))
+            return
+        if math.isfinite(float(before[0])):
+            return
+        for param, grad in zip(bucket.parameters(), grads, strict=True):
+            bad = int((~torch.isfinite(grad)).sum())
+            if bad:
+                name = self.names.get(id(param), "?")
+                self._bad_params.append((len(self._bad_params), name, bad, grad.numel()))
+
+    # -- the check at the end of each backward -----------------------------------------
+
+    def after_backward(self) -> None:
+        """Check the step that just finished its backward (called by the watcher itself at
+        the end of every backward that went through the model's outputs; integrations whose
+        framework calls the model otherwise call it after backward)."""
+        self._queued = False
+        if self.done or self.closed:
+            return
+        synced, self._synced = self._synced, False
+        pending = self._comm.hook.pending if self._comm is not None else []
+        if self._comm is not None:
+            self._comm.hook.pending = []
+        if not (self._dirty or synced or self._trail):
+            return
+        self._dirty = False
+        try:
+            if self.ddp is not None and synced:
+                self._check_synced(pending)
+            else:
+                self._check_local()
+        finally:
+            self._awaiting = False
+            self._trail.clear()
+            self._inputs.clear()
+            self._outputs.clear()
+            self._out_grads.clear()
+            self._bad_params.clear()
+            self._bucket_norms.clear()
+            self.step += 1
+
+    def _check_local(self) -> None:
+        """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
+        values only, one read-back."""
+        params = [p for p in self.inner.parameters() if p.grad is not None]
+        outs = [w for w, _ in self._outputs]
+        kept = [*outs, *self._out_grads]
+        stats, values = norms_and_nonfinite([p.grad for p in params], kept)
+        fwd = [v for k in values[: len(outs)] for v in k]
+        out_grads = [v for k in values[len(outs) :] for v in k]
+        bad_grads = [(p, c) for p, (n, c) in zip(params, stats, strict=True) if c or not math.isfinite(n)]
+        local = self._diagnose(fwd, out_grads, bad_grads)
+        if self.ddp is not None:  # no_sync: agreed on at the next synchronised backward
+            if local is not None and self._local is None:
+                self._local = local
+            return
+        if local is not None:
+            self._conclude(local, [], [])
+
+    def _check_synced(self, pending: list[Any]) -> None:
+        """DDP: local witnesses, what came back from the all-reduce, and the agreement word."""
+        outs = [w for w, _ in self._outputs]
+        befores = [p.before for p in pending]
+        results = [p.result for p in pending if p.result is not None]
+        device = results[0].device if results else self.device
+        if results and results[0].is_cuda:
+            after = [n.reshape(()) for n in torch._foreach_norm(results)]
+        else:
+            after = [norm_and_nonfinite(r)[0] for r in results]
+        local_parts = [w.to(device).reshape(-1) for w in [*outs, *self._out_grads]]
+        local_parts += [b[:1].to(device) for b in befores]
+        words = torch.full((2 * self.world,), _INF, dtype=torch.float32, device=device)
+        prior = float(self._local.step) if self._local is not None else _INF
+        if local_parts:
+            bad = ~torch.isfinite(torch.cat(local_parts)).all()
+            words[self.group_rank] = torch.where(bad, float(self.step), prior)
+        else:
+            words[self.group_rank] = prior
+        if after:
+            got_bad = ~torch.isfinite(torch.stack(after)).all()
+            words[self.world + self.group_rank] = torch.where(got_bad, float(self.step), _INF)
+        dist.all_reduce(words, op=dist.ReduceOp.MIN, group=self.group)
+        flat = torch.cat([*(p.float() for p in local_parts), words]).tolist()
+        agreed = flat[-2 * self.world :]
+        firsts, received = agreed[: self.world], agreed[self.world :]
+        if all(math.isinf(v) for v in firsts + received):
+            return  # the usual step: nothing to see
+        # Some rank saw a non-finite witness: every rank looks closer and all share it.
+        n_out, n_grad = len(outs), len(self._out_grads)
+        fwd = flat[:n_out]
+        out_grads = flat[n_out : n_out + n_grad]
+        local = self._local
+        if local is None and math.isfinite(firsts[self.group_rank]):
+            local = self._diagnose(fwd, out_grads, self._synced_bad_grads(befores))
+        got: _Local | None = None
+        if math.isfinite(received[self.group_rank]):
+            got = self._received(results)
+        views: list[Any] = [None] * self.world
+        mine = {"local": asdict_local(local), "received": asdict_local(got), "rank": self.rank}
+        dist.all_gather_object(views, mine, group=self.group)
+        self._local = None
+        origins = [v["local"] for v in views if v["local"] is not None]
+        receivers = [v["received"] for v in views if v["received"] is not None]
+        if origins:
+            first = min(origins, key=lambda d: (d["step"], d["rank"]))
+            also = [d["rank"] for d in origins if d is not first and d["step"] == first["step"]]
+            arrived = mine["local"] is None and first["rank"] != self.rank
+            self._conclude(_Local(**first), also, [dict(v) for v in views], arrived=arrived)
+        elif receivers:
+            first = min(receivers, key=lambda d: (d["step"], d["rank"]))
+            also = [d["rank"] for d in receivers if d is not first]
+            self._conclude(_Local(**first), also, [dict(v) for v in views])
+
+    def _synced_bad_grads(self, befores: list[torch.Tensor]) -> list[tuple[Any, int]]:
+        """The parameters whose own (pre-all-reduce) gradients were non-finite."""
+        if self._bucket_norms:  # CUDA: the kept per-gradient norms, read now
+            out = []
+            for params, norms in self._bucket_norms:
+                for p, n in zip(params, norms.tolist(), strict=True):
+                    if not math.isfinite(n):
+                        out.append((p, -1))
+            return out
+        by_name = {n: p for n, p in self.inner.named_parameters()}
+        return [(by_name[name], bad) for _, name, bad, _ in self._bad_params if name in by_name]
+
+    def _received(self, results: list[torch.Tensor]) -> _Local | None:
+        bad = sum(int((~torch.isfinite(r)).sum()) for r in results)
+        if not bad:
+            return None
+        total = sum(r.numel() for r in results)
+        return _Local(
+            self.step,
+            "all-reduce",
+            "",
+            str(self.device),
+            f"{bad} of {total} gradient values came back non-finite from the all-reduce while every "
+            "rank's own gradients were finite",
+            self.rank,
+        )
+
+    # -- naming the origin (only once a witness is not finite) -------------------------
+
+    def _diagnose(
+        self, fwd: list[float], out_grads: list[float], bad_grads: list[tuple[Any, int]]
+    ) -> _Local | None:
+        """What went non-finite first on this rank this step, or None (a witness that
+        overflowed on finite values)."""
+        transfer = self._corrupted_transfer()
+        if transfer is not None:
+            return transfer
+        if any(not math.isfinite(v) for v in fwd):
+            found = self._first_bad_output()
+            if found is not None:
+                return found
+        if any(not math.isfinite(v) for v in out_grads):
+            return self._local_at(
+                "backward",
+                "<loss>",
+                "the gradient flowing into the model's output from the loss was non-finite: "
+                "the loss, computed outside the model, is non-finite",
+            )
+        if bad_grads:
+            return self._bad_gradient(bad_grads)
+        return None
+
+    def _device_label(self, seen: _Seen | None = None) -> str:
+        if seen is not None and seen.replica is not None and self.vdp is not None:
+            return f"GPU{seen.replica} (virtual)"
+        if seen is not None:
+            t = next(_tensors(seen.output), None)
+            if t is not None:
+                return str(t.device)
+        if self.vdp is not None:
+            return f"GPU{self.vdp.transport.devices.ids[0]} (virtual)"
+        return str(self.device)
+
+    def _local_at(
+        self, phase: str, module: str, detail: str, seen: _Seen | None = None, step: int | None = None
+    ) -> _Local:
+        return _Local(
+            self.step if step is None else step,
+            phase,
+            module,
+            self._device_label(seen),
+            detail,
+            self.rank,
+            kind="fault",
+            blind=list(self.blind),
+        )
+
+    def _first_bad_output(self) -> _Local | None:
+        for inputs in self._inputs:
+            bad, total = _bad_count(inputs)
+            if bad:
+                return self._local_at("input", "<input>", f"{bad} of {total} input values were non-finite")
+        for seen in self._trail:
+            bad, total = _bad_count(seen.output)
+            if not bad:
+                continue
+            stale = self._bad_parameter(seen.module)
+            if stale is not None:
+                name, pbad = stale
+                path = f"{seen.path}.{name}" if seen.path else name
+                if self.step == 0:
+                    return self._local_at(
+                        "forward", seen.path, f"parameter {path} was non-finite before the first step", seen
+                    )
+                return self._local_at(
+                    "optimizer",
+                    seen.path,
+                    f"parameter {path} ({pbad} non-finite) became non-finite in the optimizer step "
+                    f"after backward {self.step - 1}, whose gradients were finite",
+                    seen,
+                    step=self.step - 1,
+                )
+            in_bad, _ = _bad_count(seen.inputs)
+            kind = type(seen.module).__name__
+            if in_bad:
+                parent = seen.path.rpartition(".")[0]
+                return self._local_at(
+                    "forward",
+                    parent,
+                    f"the input of {seen.path or 'the model'} ({kind}) was already non-finite: it arose "
+                    f"in {parent or 'the model'}'s own forward code, outside its submodules",
+                    seen,
+                )
+            where = f" on replica {self._device_label(seen)}" if self.placement.startswith("dp") else ""
+            local = self._local_at(
+                "forward",
+                seen.path,
+                f"forward output of {seen.path or 'the model'} ({kind}){where}: {bad} NaN/Inf of {total}",
+                seen,
+            )
+            local.transfer = self._carrier(seen)
+            return local
+        if any(_bad_count(out)[0] for _, out in self._outputs):
+            return self._local_at("forward", "", "the model's output was non-finite (modules not watched)")
+        return None
+
+    def _bad_parameter(self, module: nn.Module) -> tuple[str, int] | None:
+        for name, p in module.named_parameters(recurse=False):
+            bad = int((~torch.isfinite(p.detach())).sum())
+            if bad:
+                return name, bad
+        return None
+
+    def _bad_gradient(self, bad_grads: list[tuple[Any, int]]) -> _Local:
+        """The first module in backward order (the last in forward order) whose
+        parameters' own gradients were non-finite."""
+        order: dict[str, int] = {}
+        for i, seen in enumerate(self._trail):
+            order.setdefault(seen.path, i)
+
+        def rank(item: tuple[Any, int]) -> tuple[int, int]:
+            return order.get(self.owner.get(id(item[0]), ""), -1), self.index.get(id(item[0]), -1)
+
+        param, bad = max(bad_grads, key=rank)
+        name = self.names.get(id(param), "?")
+        module = self.owner.get(id(param), "")
+        count = f"{bad} NaN/Inf of {param.numel()}" if bad >= 0 else "non-finite"
+        local = self._local_at("backward", module, f"gradient of {name}: {count}")
+        if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)():
+            local.kind = "scaler-skip"
+            local.detail += "; the GradScaler skips this step and lowers its scale"
+        return local
+
+    # -- DataParallel transfers ----------------------------------------------------------
+
+    def _transfers(self) -> list[Any]:
+        if self.vdp is None or self.vdp.transport.recorder is None:
+            return []
+        step = self.vdp.transport.step
+        return [t for t in self.vdp.transport.recorder.transfers if t.step == step]
+
+    def _corrupted_transfer(self) -> _Local | None:
+        for t in self._transfers():
+            if t.nonfinite and t.corrupted and math.isfinite(t.sent_checksum or 0.0):
+                local = _Local(
+                    self.step,
+                    "transfer",
+                    t.name if t.name not in ("input", "output") else f"<{t.name}>",
+                    f"GPU{t.dst} (virtual)",
+                    f"{t.nonfinite} value(s) arrived non-finite on GPU{t.dst} from GPU{t.src} although "
+                    f"they were finite when sent ({t.phase})",
+                    self.rank,
+                    blind=list(self.blind),
+                )
+                local.transfer = _transfer_json(t, corrupted=True)
+                return local
+        return None
+
+    def _carrier(self, seen: _Seen) -> dict[str, Any] | None:
+        """The DataParallel copy that carried a replica's non-finite value on."""
+        if self.vdp is not None and seen.replica is not None:
+            for t in self._transfers():
+                if t.nonfinite and t.src == seen.replica:
+                    return _transfer_json(t, corrupted=False)
+            return None
+        if self.dp is not None:
+            t = next(_tensors(seen.output), None)
+            out = torch.device("cuda", self.dp.output_device) if self.dp.device_ids else None
+            if t is not None and out is not None and t.device != out:
+                src, dst = t.device.index or 0, out.index or 0
+                return {
+                    "kind": "gather",
+                    "src": str(t.device),
+                    "dst": str(out),
+                    "link": _cuda_link(src, dst),
+                    "corrupted": False,
+                    "name": "output",
+                }
+        return None
+
+    # -- reporting ---------------------------------------------------------------------
+
+    def _conclude(
+        self, origin: _Local, also: list[int], views: list[dict[str, Any]], arrived: bool = False
+    ) -> None:
+        report = NonFiniteReport(
+            step=origin.step,
+            rank=origin.rank,
+            device=origin.device,
+            module=origin.module,
+            phase=origin.phase,
+            detail=origin.detail,
+            this_rank=self.rank,
+            world_size=self.world,
+            arrived=arrived,
+            placement=self.placement,
+            transfer=Transfer(**origin.transfer) if origin.transfer else None,
+            kind=origin.kind,
+            also=also,
+            blind=origin.blind,
+            ranks=[
+                {
+                    "rank": v["rank"],
+                    "own": v["local"] is not None,
+                    "received": v["received"] is not None,
+                }
+                for v in views
+                if "rank" in v
+            ],
+        )
+        self.events.append(report)
+        if report.kind == "scaler-skip":
+            return  # an overflow the scaler deals with: noted, not a fault
+        self.report, self.done = report, True
+        self._trail.clear()
+        if self._record_dir is not False:
+            folder = record_dir(None if self._record_dir in (None, True) else self._record_dir)
+            try:
+                write_record(report, folder)
+            except OSError as exc:
+                warnings.warn(f"gpudiag.watch could not write its record in {folder}: {exc}", stacklevel=2)
+        if self.mode == "raise":
+            raise NonFiniteError(report)
+        if self.mode == "warn":
+            warnings.warn(NonFiniteWarning(report), stacklevel=2)
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove every hook. DDP cannot unregister a communication hook: from now on ours
+        does exactly what torch's ``allreduce_hook`` does, with nothing kept."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._comm is not None:
+            self._comm.watcher = None
+        self.closed = True
+        self._trail.clear()
+        self._inputs.clear()
+        self._outputs.clear()
+
+    def __enter__(self) -> "Watcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"step {self.step}"
+        found = f", {self.report.message()}" if self.report is not None else ""
+        return f"<gpudiag.watch {self.placement}, rank {self.rank}/{self.world}, {state}{found}>"
+
+
+def asdict_local(local: _Local | None) -> dict[str, Any] | None:
+    if local is None:
+        return None
+    from dataclasses import asdict
+
+    return asdict(local)
+
+
+def _transfer_json(t: Any, corrupted: bool) -> dict[str, Any]:
+    return {
+        "kind": t.phase,
+        "src": f"GPU{t.src}",
+        "dst": f"GPU{t.dst}",
+        "link": t.link,
+        "corrupted": corrupted,
+        "name": t.name,
+    }
+
+
+def _cuda_link(a: int, b: int) -> str | None:
+    """The topology's link code between torch devices ``cuda:a`` and ``cuda:b`` (NVML),
+    or None when it cannot be read."""
+    try:
+        from gpudiag.hw.devices import bus_id_from_torch, map_torch_indices
+        from gpudiag.hw.sources import read_topology
+
+        topology = read_topology()
+        props: list[Any] = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        buses = [bus_id_from_torch(p.pci_domain_id, p.pci_bus_id, p.pci_device_id) for p in props]
+        import os
+
+        mapping = map_torch_indices(list(topology.gpus.values()), os.environ, buses)
+        smi = {t: s for s, t in mapping.torch_of.items() if t is not None}
+        return topology.cell(f"GPU{smi[a]}", f"GPU{smi[b]}")
+    except Exception:  # the topology is a nicety here: never fail the report for it
+        return None
+
+
+def watch(
+    model: nn.Module,
+    on_nonfinite: str = "raise",
+    *,
+    scaler: Any = None,
+    root: nn.Module | None = None,
+    record_dir: str | Path | bool | None = None,
+    localize: bool = True,
+) -> Watcher:
+    """Watch ``model`` (a module, ``DistributedDataParallel``, ``nn.DataParallel``,
+    ``VirtualDataParallel`` or ``torch.compile``\\ d) for the first non-finite value.
+
+    ``on_nonfinite``: ``"raise"`` (:class:`NonFiniteError` from ``backward()`` on every
+    rank), ``"warn"`` (:class:`NonFiniteWarning`) or ``"record"`` (only ``watcher.report``
+    and the JSON record). ``scaler``: the ``torch.amp.GradScaler`` in use — a gradient
+    overflow it skips is noted in ``watcher.events`` as ``scaler-skip``, not reported as a
+    fault. ``root``: the module whose paths name modules (default: the model inside its
+    wrappers). ``record_dir``: where ``watch-rank<R>.json`` goes on a fault (default
+    ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``; False: none). ``localize=False`` keeps
+    no module outputs (less memory; a forward fault is named at the model's output).
+
+    Create it after wrapping the model in DDP and before the first backward."""
+    return Watcher(model, on_nonfinite, scaler=scaler, root=root, record_dir=record_dir, localize=localize)

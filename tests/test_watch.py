@@ -1,0 +1,378 @@
+"""gpudiag.watch on the user's own loops: one device, DDP over gloo (2 forked ranks), the
+runtime's DataParallel over virtual devices; a NaN injected in one module on one rank at a
+chosen step must be named on every rank (rank, module, step, phase); clean runs report
+nothing; close() leaves no hook."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gpudiag
+from gpudiag.runtime.launch import launch
+from gpudiag.watch import NonFiniteError, read_records
+
+
+class Net(nn.Module):
+    """A small model with nested paths: ``body.2.lin`` is a Linear inside a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Block(), nn.Tanh())
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)) + x
+
+
+def poison(module: nn.Module, when: Any, kind: str = "output") -> Any:
+    """Make one element of ``module``'s forward output NaN (``kind="output"``), or of its
+    input's gradient in backward (``kind="grad"``), whenever ``when()`` is true."""
+
+    def forward_hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if not when():
+            return None
+        out = out.clone()
+        out.view(-1)[3] = float("nan")
+        return out
+
+    def backward_hook(m: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+        if not when() or grad_in[0] is None:
+            return None
+        g = grad_in[0].clone()
+        g.view(-1)[0] = float("inf")
+        return (g, *grad_in[1:])
+
+    if kind == "output":
+        return module.register_forward_hook(forward_hook)
+    return module.register_full_backward_hook(backward_hook)
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()
+    )
+
+
+def train(model: nn.Module, steps: int, seed: int = 1, accumulate: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x = torch.randn(4, 8, generator=g)
+            model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# -- one device -----------------------------------------------------------------------
+
+
+def test_single_device_names_module_and_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    poison(net.body[2].lin, lambda: watcher.step == 3)
+    watcher = gpudiag.watch(net, "record", record_dir=tmp_path)
+    train(net, 6)
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.rank, report.module, report.phase) == (3, 0, "body.2.lin", "forward")
+    assert "1 NaN/Inf of 64" in report.detail
+    assert [e.step for e in watcher.events] == [3]  # the first only
+    record = json.loads((tmp_path / "watch-rank0.json").read_text())
+    assert record["schema"] == "gpudiag.watch/1" and record["module"] == "body.2.lin"
+    assert list(read_records(tmp_path)) == ["watch-rank0.json"]
+    watcher.close()
+
+
+def test_raise_comes_out_of_backward_and_warn_warns(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    poison(net.head, lambda: watcher.step == 2)
+    with gpudiag.watch(net, record_dir=False) as watcher, pytest.raises(NonFiniteError) as caught:
+        train(net, 4)
+    assert (caught.value.report.step, caught.value.report.module) == (2, "head")
+    assert isinstance(caught.value, gpudiag.NonFiniteError)
+    torch.manual_seed(0)
+    net = Net()
+    poison(net.body[0], lambda: watcher.step == 1)
+    with (
+        gpudiag.watch(net, "warn", record_dir=False) as watcher,
+        pytest.warns(gpudiag.watch.NonFiniteWarning, match=r"step 1: arose on rank 0 \(cpu\) in body\.0"),
+    ):
+        train(net, 3)
+
+
+def test_backward_fault_names_the_module_nearest_the_loss(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    # the gradient leaving body.2.norm (towards body.2.lin) turns Inf: body.2.lin's weight
+    # gradient is the first non-finite one in backward order
+    poison(net.body[2].norm, lambda: watcher.step == 2, kind="grad")
+    train(net, 4)
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.phase, report.module) == (2, "backward", "body.2.lin")
+    assert "gradient of body.2.lin." in report.detail
+
+
+def test_loss_and_input_and_optimizer_phases(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    x = torch.randn(4, 8)
+    net(x).mean().backward()
+    (net(x).mean() * float("nan")).backward()  # the loss outside the model
+    assert watcher.report is not None and (watcher.report.module, watcher.report.phase) == (
+        "<loss>",
+        "backward",
+    )
+    assert watcher.report.step == 1
+    watcher.close()
+
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    x[1, 2] = float("inf")
+    net(x).mean().backward()
+    assert watcher.report is not None and (watcher.report.module, watcher.report.phase) == (
+        "<input>",
+        "input",
+    )
+    watcher.close()
+
+    net.zero_grad()
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    net(torch.randn(4, 8)).mean().backward()
+    with torch.no_grad():
+        net.body[2].lin.weight[0, 0] = float("nan")  # what a bad optimizer step leaves
+    net(torch.randn(4, 8)).mean().backward()
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.phase, report.module) == (0, "optimizer", "body.2.lin")
+    assert "parameter body.2.lin.weight" in report.detail
+
+
+def test_clean_run_reports_nothing_and_close_removes_every_hook(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    before = hook_count(net)
+    watcher = gpudiag.watch(net, "raise", record_dir=tmp_path)
+    assert hook_count(net) > before
+    train(net, 5, accumulate=2)
+    assert watcher.report is None and watcher.events == [] and watcher.step == 10
+    watcher.close()
+    assert hook_count(net) == before
+    assert not list(tmp_path.iterdir())
+    # no_grad forwards (evaluation) are not watched, and do not count as steps
+    with gpudiag.watch(net) as watcher, torch.no_grad():
+        net(torch.full((2, 8), float("nan")))
+    assert watcher.report is None and watcher.step == 0
+
+
+def test_grad_scaler_overflow_is_a_skip_not_a_fault() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    poison(net.body[2].norm, lambda: watcher.step == 1, kind="grad")
+    watcher = gpudiag.watch(net, "raise", scaler=scaler, record_dir=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(3):
+        scaler.scale(net(torch.randn(4, 8)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert watcher.report is None
+    assert [(e.kind, e.step, e.module) for e in watcher.events] == [("scaler-skip", 1, "body.2.lin")]
+    assert scaler.get_scale() < 2.0**10  # the scaler did skip it
+
+
+def test_compiled_model_says_what_it_cannot_see() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    compiled = torch.compile(net, backend="eager")
+    watcher = gpudiag.watch(compiled, "record", record_dir=False)
+    assert watcher.compiled and "torch.compile" in watcher.blind[0]
+    x = torch.randn(4, 8)
+    compiled(x).mean().backward()
+    compiled(torch.full((4, 8), float("nan"))).mean().backward()
+    report = watcher.report
+    assert report is not None and report.step == 1 and report.phase == "input"
+    assert report.blind and "torch.compile" in report.blind[0]
+    watcher.close()
+    assert hook_count(compiled) == 0
+
+
+def test_bad_mode_is_an_input_error() -> None:
+    from gpudiag.errors import InputError
+
+    with pytest.raises(InputError, match="on_nonfinite"):
+        gpudiag.watch(Net(), "explode")
+
+
+def test_callable_module_and_lazy_export() -> None:
+    import gpudiag.watch.record as record
+
+    assert callable(gpudiag.watch) and record.SCHEMA == "gpudiag.watch/1"
+    with gpudiag.watch(Net(), record_dir=False) as w:
+        assert w.placement == "single"
+
+
+# -- DDP over gloo, two forked ranks ---------------------------------------------------
+
+
+def _ddp_rank(
+    rank: int, world: int, mode: str, bad_rank: int, bad_step: int, folder: str, accumulate: int
+) -> bytes:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DistributedDataParallel(net)
+    if bad_rank >= 0:
+        poison(net.body[2].lin, lambda: rank == bad_rank and watcher.step == bad_step)
+    watcher = gpudiag.watch(ddp, mode, record_dir=folder)
+    g = torch.Generator().manual_seed(10 + rank)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    error = None
+    try:
+        for _ in range(6):
+            for micro in range(accumulate):
+                x = torch.randn(4, 8, generator=g)
+                if micro < accumulate - 1:
+                    with ddp.no_sync():
+                        ddp(x).pow(2).mean().backward()
+                else:
+                    ddp(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except NonFiniteError as exc:
+        error = exc.report.to_json()
+    report = watcher.report.to_json() if watcher.report is not None else None
+    watcher.close()
+    return json.dumps({"report": report, "error": error, "steps": watcher.step}).encode()
+
+
+def _ddp(mode: str, bad_rank: int, bad_step: int, folder: Path, accumulate: int = 1) -> list[dict[str, Any]]:
+    args = (mode, bad_rank, bad_step, str(folder), accumulate)
+    return [json.loads(bytes(b)) for b in launch(_ddp_rank, 2, args=args, timeout=120, method="fork")]
+
+
+def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path) -> None:
+    results = _ddp("raise", 1, 3, tmp_path)
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} did not raise"
+        assert (error["rank"], error["module"], error["step"], error["phase"]) == (
+            1,
+            "body.2.lin",
+            3,
+            "forward",
+        )
+        assert error["this_rank"] == rank and error["world_size"] == 2
+        assert error["arrived"] is (rank == 0)  # rank 0 got it from the all-reduce
+    assert "arrived through the all-reduce from rank 1" in results[0]["error"]["message"]
+    assert sorted(read_records(tmp_path)) == ["watch-rank0.json", "watch-rank1.json"]
+
+
+def test_ddp_clean_run_and_no_sync_accumulation(tmp_path: Path) -> None:
+    clean = _ddp("raise", -1, 0, tmp_path, accumulate=2)
+    assert [r["report"] for r in clean] == [None, None] and [r["steps"] for r in clean] == [12, 12]
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+    # a NaN in a no_sync micro-step (step 4 of 12) is agreed on at the next synchronised one
+    results = _ddp("record", 0, 4, tmp_path, accumulate=2)
+    for result in results:
+        report = result["report"]
+        assert (report["rank"], report["module"], report["step"]) == (0, "body.2.lin", 4)
+
+
+# -- DataParallel ----------------------------------------------------------------------
+
+
+def test_virtual_data_parallel_names_the_replica_and_the_transfer() -> None:
+    from gpudiag.hw.sources import read_machine_or_capture
+    from gpudiag.runtime.devices import DeviceSet
+    from gpudiag.runtime.dp import VirtualDataParallel
+
+    machine = read_machine_or_capture("seed_8gpu_topo.txt")
+    torch.manual_seed(0)
+    net = Net()
+    dp = VirtualDataParallel(net, DeviceSet.virtual([5, 6], machine))
+    poison(net.body[2].lin, lambda: watcher.step == 2 and dp.transport.replica == 6)
+    watcher = gpudiag.watch(dp, "record", record_dir=False)
+    train(dp, 4)
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.module, report.phase, report.device) == (
+        2,
+        "body.2.lin",
+        "forward",
+        "GPU6 (virtual)",
+    )
+    assert report.placement == "dp-virtual"
+    assert report.transfer is not None
+    assert (report.transfer.src, report.transfer.dst, report.transfer.kind) == ("GPU6", "GPU5", "gather")
+    assert report.transfer.link == machine.cell("GPU6", "GPU5") and not report.transfer.corrupted
+
+
+def test_virtual_data_parallel_names_a_corrupting_link() -> None:
+    from gpudiag.hw.sources import read_machine_or_capture
+    from gpudiag.runtime.devices import DeviceSet
+    from gpudiag.runtime.dp import VirtualDataParallel
+
+    machine = read_machine_or_capture("seed_8gpu_topo.txt")
+    torch.manual_seed(0)
+    net = Net()
+    dp = VirtualDataParallel(net, DeviceSet.virtual([5, 6], machine), faults=["5->6:nan@3x1"])
+    watcher = gpudiag.watch(dp, "record", record_dir=False)
+    train(dp, 4)
+    report = watcher.report
+    assert report is not None and report.phase == "transfer" and report.step == 2  # forward 3 = step 2
+    assert report.transfer is not None and report.transfer.corrupted
+    assert (report.transfer.src, report.transfer.dst) == ("GPU5", "GPU6")
+    assert report.device == "GPU6 (virtual)"
+
+
+def test_real_data_parallel_without_gpus_is_the_module_itself(no_gpu: None) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    dp = nn.DataParallel(net)
+    poison(net.head, lambda: watcher.step == 1)
+    watcher = gpudiag.watch(dp, "record", record_dir=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DataParallel's own notes on a CPU-only machine
+        train(dp, 3)
+    assert watcher.report is not None and (watcher.report.module, watcher.report.step) == ("head", 1)
+    assert watcher.placement == "dp"
+
+
+@pytest.mark.multi_gpu
+def test_real_data_parallel_names_the_replica_device() -> None:
+    torch.manual_seed(0)
+    net = Net().cuda()
+    dp = nn.DataParallel(net, device_ids=[0, 1])
+    poison(net.body[2].lin, lambda: watcher.step == 2 and torch.cuda.current_device() == 1)
+    watcher = gpudiag.watch(dp, "record", record_dir=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        dp(torch.randn(8, 8, generator=g).cuda()).pow(2).mean().backward()
+        net.zero_grad()
+    report = watcher.report
+    assert report is not None and (report.step, report.module, report.device) == (2, "body.2.lin", "cuda:1")
+    assert report.transfer is not None and (report.transfer.src, report.transfer.dst) == ("cuda:1", "cuda:0")
