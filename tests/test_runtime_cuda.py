@@ -73,3 +73,27 @@ def test_an_op_without_a_deterministic_cuda_kernel_is_recorded() -> None:
         _IndexAdd, x, y, RunConfig("single", DeviceSet.virtual(1), loss="mse", numerics=Numerics.comparison())
     )
     assert cpu.nondeterministic == []  # the CPU kernel is deterministic
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_times_with_events_and_reads_peak_memory() -> None:
+    """bench on one CUDA GPU (single and a one-rank DDP), synthetic and DataLoader data:
+    CUDA-event timing, peak memory per device, pinned loader batches."""
+    import gpudiag
+
+    result = gpudiag.bench(
+        models.flat_mlp,
+        input_shape=(3, 8, 8),
+        num_classes=4,
+        batch_size=8,
+        strategies=("single", "ddp"),
+        gpus=(1,),
+        steps=3,
+        warmup=1,
+        data="loader:1",
+    )
+    assert not result.simulated and result.exit_code() == 0
+    assert result.config["devices"] == "cuda" and "CUDA events" in result.config["timing"]
+    for case in result.cases:
+        assert case.peak_memory and all(b > 0 for b in case.peak_memory.values()), case.label
+        assert case.phases["data"] > 0 and case.phases["forward"] > 0, case.label
