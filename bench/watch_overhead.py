@@ -1,0 +1,120 @@
+"""Cost of ``gpudiag.watch``: a watched DDP training step against the same step unwatched.
+
+    .venv/bin/python bench/watch_overhead.py [--steps 40] [--warmup 3]
+    python3 bench/watch_overhead.py --device cuda [--world 1] [--steps 100] [--warmup 10]
+
+``--device cpu`` (default): DDP over gloo, 2 ranks on the CPU, torchvision resnet18, a
+global batch of 32 images of 3x64x64 (16 per rank), SGD — the configuration of
+``runtime_overhead.py``. ``--device cuda``: DDP over NCCL, one rank per GPU (``--world``,
+default 1): resnet18 batch 32 at 64 px, resnet50 batch 64 at 224 px.
+
+Each rank holds three DDP models of the same weights, stepped round-robin (the order
+rotates every step) so all see the same machine load:
+
+- ``plain``: DDP as users run it (no comm hook: the reducer's C++ all-reduce) — the baseline;
+- ``hooked``: DDP with torch's Python ``allreduce_hook``, for reference (what any Python
+  comm hook costs before it does anything);
+- ``watched``: ``gpudiag.watch(ddp)`` — module hooks, output and gradient witnesses, the
+  runtime's bucket statistics, the per-step MIN all-reduce and one read-back.
+
+A step is zero_grad, forward, loss, backward, optimizer step, and the loss read back (a
+host sync, as a training loop's logging does). Prints the medians over ``--steps`` steps
+after ``--warmup`` and, as its last line, ``watched/plain = R`` (on CUDA the worst
+configuration's); the target is R <= 1.03.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import gpudiag
+from gpudiag.runtime.launch import launch
+from gpudiag.runtime.wire import pack, unpack
+
+KINDS = ("plain", "hooked", "watched")
+#: (model, global batch, image side) per device.
+CONFIGS = {
+    "cpu": [("resnet18", 32, 64)],
+    "cuda": [("resnet18", 32, 64), ("resnet50", 64, 224)],
+}
+
+
+def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], steps: int, warmup: int) -> bytes:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torchvision
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    name, batch, side = config
+    target = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(target)
+    models = {}
+    watchers = []
+    for kind in KINDS:
+        torch.manual_seed(0)
+        model = torchvision.models.get_model(name, num_classes=10).to(target)
+        ddp = DistributedDataParallel(model, device_ids=[rank] if device == "cuda" else None)
+        if kind == "hooked":
+            ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+        elif kind == "watched":
+            watchers.append(gpudiag.watch(ddp, "raise", record_dir=False))
+        models[kind] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, side, side, generator=g).chunk(world)[rank].to(target)
+    y = torch.randint(0, 10, (batch,), generator=g).chunk(world)[rank].to(target)
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for i in range(warmup + steps):
+        order = KINDS[i % 3 :] + KINDS[: i % 3]
+        for kind in order:
+            ddp, optimizer = models[kind]
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            float(loss.detach())
+            if i >= warmup:
+                times[kind].append(time.perf_counter() - start)
+    assert watchers[0].step == warmup + steps and watchers[0].report is None
+    for w in watchers:
+        w.close()
+    return pack(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    world = args.world or (2 if args.device == "cpu" else 1)
+    backend = "gloo" if args.device == "cpu" else "nccl"
+    worst = 0.0
+    for config in CONFIGS[args.device]:
+        task = (args.device, config, args.steps, args.warmup)
+        results = [unpack(p) for p in launch(_rank, world, backend=backend, timeout=3600, args=task)]
+        median = {kind: statistics.median(results[0][kind]) for kind in KINDS}
+        name, batch, side = config
+        print(f"{name} batch {batch} at {side} px, {world} rank(s) over {backend}, torch {torch.__version__}:")
+        for kind in KINDS:
+            print(f"  {kind:8s} median {median[kind] * 1e3:.2f} ms/step over {args.steps} steps (rank 0)")
+        print(f"  hooked/plain = {median['hooked'] / median['plain']:.3f}")
+        print(f"  watched/hooked = {median['watched'] / median['hooked']:.3f}")
+        worst = max(worst, median["watched"] / median["plain"])
+        print(f"  watched/plain = {median['watched'] / median['plain']:.3f}")
+    print(f"watched/plain = {worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()
