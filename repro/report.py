@@ -10,7 +10,9 @@ A bundle is a folder, or a ``.zip`` when its name ends so, holding:
   each failing check and exits non-zero when the problem shows;
 - ``machine.json``: the machine the virtual devices were laid out like (``--machine``);
 - ``traces/<check>.json``: what the runtime recorded (Chrome trace format, Perfetto);
-- ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL).
+- ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL);
+- ``watch/watch-rank<R>.json``: what ``gpudiag.watch`` recorded of the user's own training
+  (schema ``gpudiag.watch/1``, from ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``).
 
 Every byte of every file passes through :class:`~gpudiag.redact.Redactor` first, and
 the bundle appears at its path only when complete (written beside it, then renamed).
@@ -182,6 +184,10 @@ def run_report(
             runs.append(run)
             if progress is not None:
                 progress(name, "done", run)
+    from gpudiag.watch.record import read_records
+
+    # gpudiag.watch's records of the user's own training ($GPUDIAG_WATCH_DIR or ./gpudiag-watch)
+    files.update({f"watch/{name}": data for name, data in read_records().items()})
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Report(runs, here, created, argv or ["gpudiag", *sys.argv[1:]], anonymize, files)
 

@@ -376,3 +376,20 @@ def test_real_data_parallel_names_the_replica_device() -> None:
     report = watcher.report
     assert report is not None and (report.step, report.module, report.device) == (2, "body.2.lin", "cuda:1")
     assert report.transfer is not None and (report.transfer.src, report.transfer.dst) == ("cuda:1", "cuda:0")
+
+
+def test_gpudiag_report_bundles_the_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.checks.suite import Here
+    from gpudiag.repro.report import run_report
+
+    torch.manual_seed(0)
+    net = Net()
+    poison(net.head, lambda: watcher.step == 1)
+    watcher = gpudiag.watch(net, "record", record_dir=tmp_path / "records")
+    train(net, 2)
+    (tmp_path / "records" / "watch-rank9.json").write_text('{"schema": "other/1"}')  # not ours: left out
+    monkeypatch.setenv("GPUDIAG_WATCH_DIR", str(tmp_path / "records"))
+    report = run_report(Here.detect(None), ["env"])
+    assert "watch/watch-rank0.json" in report.file_names()
+    assert "watch/watch-rank9.json" not in report.file_names()
+    assert json.loads(report.files["watch/watch-rank0.json"])["module"] == "head"
