@@ -36,7 +36,7 @@ from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Bucket, Recorder, StepRecord
 from gpudiag.runtime.stats import norm_and_nonfinite, norms_and_nonfinite
 from gpudiag.runtime.stepping import Stepper, build_model, digest
-from gpudiag.runtime.timing import CommTimes, PhaseTimer, peak_memory, reset_peak_memory
+from gpudiag.runtime.timing import NO_TIMER, CommTimes, PhaseTimer, Timer, peak_memory, reset_peak_memory
 from gpudiag.runtime.wire import pack, recorder_from_data, recorder_to_data, unpack
 
 
@@ -317,7 +317,7 @@ def _train(
         else {}
     )
     shard_inputs, shard_targets = shard(inputs, rank, world), targets.chunk(world)[rank]
-    timer = None
+    timer: Timer = NO_TIMER
     if config.time_phases:  # bench: the shard on its device once (synthetic data)
         timer = stepper.timer = PhaseTimer(recorder, device, rank)
         if config.loader is None:
@@ -329,22 +329,16 @@ def _train(
         for step in range(1, config.steps + 1):
             state.step = step
             start = recorder.now()
-            if timer is not None:
-                timer.begin(step)
-                if feed is not None:
-                    with timer.phase("data"):
-                        shard_inputs, shard_targets = feed.next()
-                with timer.phase("copy"):
-                    micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
-            else:
-                if feed is not None:
+            timer.begin(step)
+            if feed is not None:
+                with timer.phase("data"):
                     shard_inputs, shard_targets = feed.next()
+            with timer.phase("copy"):
                 micro = micro_batches(shard_inputs, shard_targets, config.accumulate, device)
             loss = stepper.step(
                 step, micro, no_sync=ddp.no_sync, after_backward=lambda: state.flush(recorder)
             )
-            if timer is not None:
-                timer.end(comm.take() if comm is not None else None)
+            timer.end(comm.take() if comm is not None else None)
             losses.append(loss)
             if recorder.enabled:
                 recorder.steps.append(StepRecord(step, loss, start, recorder.now(), rank))

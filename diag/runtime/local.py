@@ -18,7 +18,7 @@ from gpudiag.runtime.feed import Feed
 from gpudiag.runtime.numerics import Numerics, nondeterministic_alerts
 from gpudiag.runtime.record import Recorder, StepRecord
 from gpudiag.runtime.stepping import Stepper, _cpu, build_model, output_selector
-from gpudiag.runtime.timing import PhaseTimer, peak_memory, reset_peak_memory
+from gpudiag.runtime.timing import NO_TIMER, PhaseTimer, Timer, peak_memory, reset_peak_memory
 from gpudiag.runtime.transport import Transport
 
 
@@ -44,7 +44,8 @@ def run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Run
     initial = _cpu(dict(model.named_parameters())) if config.steps > 1 else {}
     losses = []
     first = devices.torch_device(devices.ids[0])
-    timer, used = None, devices.ids[:1] if config.strategy == "single" else devices.ids
+    used = devices.ids[:1] if config.strategy == "single" else devices.ids
+    timer: Timer = NO_TIMER
     if config.time_phases:  # bench: the batch on its device once (synthetic data)
         timer = transport.timer = stepper.timer = PhaseTimer(recorder, first)
         if config.loader is None:
@@ -55,19 +56,14 @@ def run_local(model_fn: ModelFn, inputs: Any, targets: torch.Tensor, config: Run
         for step in range(1, config.steps + 1):
             transport.step = step
             start = recorder.now()
-            if timer is not None:
-                timer.begin(step)
-                if feed is not None:
-                    with timer.phase("data"):
-                        inputs, targets = feed.next()
-                with timer.phase("copy"):
-                    micro = micro_batches(inputs, targets, config.accumulate, first)
-                loss = stepper.step(step, micro)
-                timer.end()
-            else:
-                if feed is not None:
+            timer.begin(step)
+            if feed is not None:
+                with timer.phase("data"):
                     inputs, targets = feed.next()
-                loss = stepper.step(step, micro_batches(inputs, targets, config.accumulate, first))
+            with timer.phase("copy"):
+                micro = micro_batches(inputs, targets, config.accumulate, first)
+            loss = stepper.step(step, micro)
+            timer.end()
             losses.append(loss)
             if recorder.enabled:
                 recorder.steps.append(StepRecord(step, loss, start, recorder.now()))

@@ -17,7 +17,7 @@ from gpudiag.errors import InputError, from_user_code
 from gpudiag.runtime.batch import select_output
 from gpudiag.runtime.config import DTYPES, ModelFn, RunConfig
 from gpudiag.runtime.devices import DeviceSet
-from gpudiag.runtime.timing import PhaseTimer
+from gpudiag.runtime.timing import NO_TIMER, Timer
 
 
 def build_model(model_fn: ModelFn, seed: int) -> nn.Module:
@@ -106,7 +106,7 @@ class Stepper:
         self.first_grads: dict[str, torch.Tensor] = {}
         self.select = None if selects else output_selector(config)
         #: bench (``RunConfig.time_phases``): times forward, backward and the optimizer step
-        self.timer: PhaseTimer | None = None
+        self.timer: Timer = NO_TIMER
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -118,7 +118,7 @@ class Stepper:
     def micro_step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the (unscaled) loss."""
         timer = self.timer
-        start = timer.mark() if timer is not None else None
+        start = timer.mark()
         if self.autocast is not None:
             with self.autocast:
                 output = self.forward(inputs)
@@ -128,12 +128,10 @@ class Stepper:
             output = self.select(output)
         loss = loss_fn(self.config.loss, output, targets.to(_device_of(output)))
         scaled = loss / self.config.accumulate
-        if timer is not None:
-            timer.add("forward", start)
-            start = timer.mark()
+        timer.add("forward", start)
+        start = timer.mark()
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        if timer is not None:
-            timer.add("backward", start)
+        timer.add("backward", start)
         return loss.detach()
 
     def step(
@@ -172,7 +170,7 @@ class Stepper:
                 if p.grad is not None
             }
         optimizer = self.optimizer if self.updates(step) else None
-        start = self.timer.mark() if self.timer is not None else None
+        start = self.timer.mark()
         if optimizer is not None:
             if self.scaler is not None:
                 self.scaler.step(optimizer)
@@ -181,8 +179,7 @@ class Stepper:
                 optimizer.step()
         elif self.scaler is not None:
             self.scaler.update()
-        if self.timer is not None:
-            self.timer.add("optimizer", start)
+        self.timer.add("optimizer", start)
         return total / len(micro)
 
     def updates(self, step: int) -> bool:

@@ -12,8 +12,8 @@ synchronisation (``Event.synchronize``) after which every phase's time is read w
 ``elapsed_time`` (what ``torch.cuda.Event`` timing loops do); on the CPU a mark is
 ``time.perf_counter()``. Times are seconds from the recorder's origin.
 
-Nothing here runs unless ``time_phases`` is set: the runtime's steps check for a timer
-and otherwise run as they always did.
+Without ``time_phases`` the runtime's steps hold :data:`NO_TIMER`, whose marks are
+``None`` and whose phases record nothing: the same code path, a few no-op calls per step.
 """
 
 from __future__ import annotations
@@ -95,6 +95,31 @@ class PhaseTimer:
         for name, start, stop in spans or ():
             phases.append(Phase(self.step, name, start - origin, stop - origin, self.rank))
         self._marks = []
+
+
+class NullTimer:
+    """A :class:`PhaseTimer` that times nothing (``time_phases`` off)."""
+
+    def mark(self) -> None:
+        return None
+
+    def add(self, name: str, start: Any, device: int | None = None) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, name: str, device: int | None = None) -> Iterator[None]:
+        yield
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def end(self, spans: list[tuple[str, float, float]] | None = None) -> None:
+        pass
+
+
+#: The timer of a run that is not timed.
+NO_TIMER = NullTimer()
+Timer = PhaseTimer | NullTimer
 
 
 @dataclass
