@@ -288,12 +288,10 @@ def bench(
         return
     if not options["model"]:
         raise click.UsageError("--model is required (or --compare BEFORE AFTER)")
-    import os
-
-    from gpudiag.runtime.launch import torchrun_env
+    from gpudiag.render import first_rank
 
     # Under torchrun every process measures; the ranks' figures are gathered and rank 0 speaks.
-    speaks = not torchrun_env() or os.environ.get("RANK") == "0"
+    speaks = first_rank()
     if output and speaks:
         from gpudiag.fileio import check_target
 

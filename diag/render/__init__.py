@@ -1,10 +1,11 @@
 """Renderers: each takes a result object and a text stream.
 
 ``render(kind, result, fmt, stream)`` picks the renderer for a command's result
-(``kind``, e.g. ``"topology"``) and an output format: the function named after the kind in
-the format's module (``text.topology``), or — for a kind listed in :data:`OWN_MODULE` —
-the function named after the format in the kind's own module (``bench.text``). Rich is
-imported only by text renderers, and only when they run.
+(``kind``, e.g. ``"topology"``) and an output format: by default the function named after
+the kind in the format's module (``text.topology``); :data:`ELSEWHERE` names the
+exceptions — a kind with one module for all its formats (``bench.text``), or a format of
+a kind kept apart (``text_suite.report``). Rich is imported only by text renderers, and
+only when they run.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ FORMATS = {
     "bench": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
-#: Kinds whose renderers for every format live in one module of their own.
-OWN_MODULE: dict[str, str] = {"bench": "gpudiag.render.bench"}
-#: Kinds whose renderer for one format lives in a module of its own: format → kind → module.
-SPLIT = {"text": {kind: "text_suite" for kind in ("report", "doctor", "replay")}}
+#: (kind, format) → (module, function) where a renderer is not ``_MODULES[format].kind``.
+ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
+    **{("bench", fmt): ("bench", fmt) for fmt in FORMATS["bench"]},
+    **{(kind, "text"): ("text_suite", kind) for kind in ("report", "doctor", "replay")},
+}
 
 
 def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
@@ -42,11 +44,8 @@ def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
         raise ValueError(f"no {fmt} renderer for {kind}")
     if not first_rank():
         return
-    if kind in OWN_MODULE:
-        getattr(importlib.import_module(OWN_MODULE[kind]), fmt)(result, stream)
-        return
-    module = importlib.import_module(f"gpudiag.render.{SPLIT.get(fmt, {}).get(kind, _MODULES[fmt])}")
-    getattr(module, kind)(result, stream)
+    module, function = ELSEWHERE.get((kind, fmt), (_MODULES[fmt], kind))
+    getattr(importlib.import_module(f"gpudiag.render.{module}"), function)(result, stream)
 
 
 def first_rank() -> bool:
