@@ -201,7 +201,7 @@ class Watcher:
         self._trail: list[_Seen] = []
         self._order: dict[str, int] = {}  # module path → first position in forward order
         self._inputs: list[Any] = []
-        self._outputs: list[tuple[torch.Tensor, Any]] = []  # (witness, output) per root forward
+        self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
         self._queued = False
@@ -253,22 +253,30 @@ class Watcher:
         self._inputs.append(inputs)
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if self.done or not torch.is_grad_enabled():
+        self.observe(output, "")
+
+    def observe(self, output: Any, name: str = "<loss>") -> None:
+        """Watch ``output`` (a loss, or the model's output) like the model's own outputs: a
+        witness now, and a gradient hook that checks the step once its backward is over.
+        Integrations whose framework computes the loss outside ``model(...)`` (Lightning's
+        ``training_step``) pass it here; ``name`` is what a fault first seen in it is called."""
+        if self.done or self.closed or not torch.is_grad_enabled():
             return
         tensors = list(_tensors(output))
         if not tensors:
             return
         self._dirty = True
-        self._outputs.append((_witness(tensors), output))
+        self._outputs.append((_witness(tensors), output, name))
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
                 t.register_hook(self._on_output_grad)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, grad: torch.Tensor | None) -> None:
         if self.done:
             return
-        self._out_grads.append(grad.detach().sum(dtype=torch.float32).reshape(()))
+        if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
+            self._out_grads.append(grad.detach().sum(dtype=torch.float32).reshape(()))
         if not self._queued:
             self._queued = True
             # Runs once the backward is over; it queues the check behind DDP's own
@@ -330,7 +338,7 @@ class Watcher:
         """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
         values only, one read-back."""
         params = [p for p in self.inner.parameters() if p.grad is not None]
-        outs = [w for w, _ in self._outputs]
+        outs = [w for w, _, _ in self._outputs]
         kept = [*outs, *self._out_grads]
         stats, values = norms_and_nonfinite([p.grad for p in params], kept)
         fwd = [v for k in values[: len(outs)] for v in k]
@@ -346,7 +354,7 @@ class Watcher:
 
     def _check_synced(self, pending: list[Any]) -> None:
         """DDP: local witnesses, what came back from the all-reduce, and the agreement word."""
-        outs = [w for w, _ in self._outputs]
+        outs = [w for w, _, _ in self._outputs]
         befores = [p.before for p in pending]
         results = [p.result for p in pending if p.result is not None]
         device = results[0].device if results else self.device
@@ -520,8 +528,18 @@ class Watcher:
             )
             local.transfer = self._carrier(seen)
             return local
-        if any(_bad_count(out)[0] for _, out in self._outputs):
-            return self._local_at("forward", "", "the model's output was non-finite (modules not watched)")
+        for _, out, name in self._outputs:
+            bad, total = _bad_count(out)
+            if bad and name:
+                return self._local_at(
+                    "forward", name, f"{name} was non-finite ({bad} of {total}), every module output finite"
+                )
+            if bad:
+                return self._local_at(
+                    "forward",
+                    "",
+                    f"the model's output: {bad} NaN/Inf of {total} (modules not watched one by one)",
+                )
         return None
 
     def _bad_parameter(self, module: nn.Module) -> tuple[str, int] | None:
