@@ -393,3 +393,42 @@ def test_gpudiag_report_bundles_the_records(tmp_path: Path, monkeypatch: pytest.
     assert "watch/watch-rank0.json" in report.file_names()
     assert "watch/watch-rank9.json" not in report.file_names()
     assert json.loads(report.files["watch/watch-rank0.json"])["module"] == "head"
+
+
+@pytest.mark.slow  # ~10 s: two fresh interpreters import torch; the forked DDP tests cover the rest
+def test_ddp_under_torchrun(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    job = [str(torchrun), "--standalone", "--nproc-per-node=2", str(root / "tests" / "watch_torchrun_job.py")]
+    out = subprocess.run(
+        [*job, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"watch-rank{rank}.json").read_text())
+        assert (record["rank"], record["module"], record["step"], record["phase"]) == (
+            1,
+            "body.2.lin",
+            2,
+            "forward",
+        )
+        assert record["arrived"] is (rank == 0)
+        assert f"rank {rank}: non-finite value at step 2: arose on rank 1" in out.stdout
+
+
+def test_forwards_without_backward_are_let_go() -> None:
+    net = Net()
+    with gpudiag.watch(net, record_dir=False) as watcher:
+        for _ in range(50):
+            net(torch.randn(2, 8))  # gradients on, no backward (evaluation without no_grad)
+        assert len(watcher._outputs) <= 8 and len(watcher._trail) <= 8 * len(list(net.modules()))
+        x = torch.randn(2, 8)
+        (net(x).sum() + net(x).sum()).backward()  # two forwards, one backward
+        assert watcher.step == 1 and watcher.report is None

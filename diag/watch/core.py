@@ -50,6 +50,9 @@ from gpudiag.watch.record import (
 MODES = ("raise", "warn", "record")
 #: Module outputs kept per step at most (beyond it, forward localisation stops for the step).
 TRAIL_LIMIT = 100_000
+#: Forwards kept awaiting one backward (several losses, then one backward); beyond, the
+#: oldest are let go (a forward whose backward never comes keeps nothing for long).
+MAX_FORWARDS = 8
 _INF = math.inf
 
 
@@ -204,6 +207,7 @@ class Watcher:
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
+        self._forwards = 0  # forwards of the model since the last check
         self._queued = False
         self._synced = False
         self._dirty = False
@@ -246,10 +250,15 @@ class Watcher:
     def _pre_root(self, module: nn.Module, inputs: Any) -> None:
         if self.done or not torch.is_grad_enabled():
             return
-        if not self._awaiting and not self._queued:
+        self._forwards += 1
+        if not self._queued and (not self._awaiting or self._forwards > MAX_FORWARDS):
+            # A new step, or forwards whose backward never came (evaluation with gradients
+            # on, a skipped batch): what they kept is let go.
             self._trail.clear()
             self._inputs.clear()
             self._outputs.clear()
+            self._out_grads.clear()
+            self._awaiting, self._forwards = False, 1
         self._inputs.append(inputs)
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -325,7 +334,7 @@ class Watcher:
             else:
                 self._check_local()
         finally:
-            self._awaiting = False
+            self._awaiting, self._forwards = False, 0
             self._trail.clear()
             self._inputs.clear()
             self._outputs.clear()
