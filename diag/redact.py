@@ -30,7 +30,6 @@ import itertools
 import json
 import os
 import re
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -305,10 +304,9 @@ def _secret_name(name: str) -> bool:
 
 
 def _hostname() -> str:
-    try:
-        return socket.gethostname()
-    except OSError:
-        return ""
+    from gpudiag.identity import hostname
+
+    return hostname()
 
 
 def _user() -> str:

@@ -1,0 +1,252 @@
+"""The collectives between nodes: each with a deadline and its progress in the group's
+store, so a rank that hangs is named (which rank, which collective). The all-gather of
+the records, the all-reduce across every rank with a value check, and the pairwise link
+test's rounds (:mod:`gpudiag.repro.sweep.judge` plans and judges them)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.errors import GpudiagError
+from gpudiag.repro.sweep.judge import first_round, judge_round, median, next_round, pair_figures, pair_rounds
+from gpudiag.repro.sweep.node import Identity, SweepOptions
+from gpudiag.repro.sweep.rules import load_rules
+
+MAX_ROUNDS = 4  # of the pairwise link test: round 1, then at most 3 re-pairing rounds
+#: The collectives ``--inject-stall`` can make this node miss (a hang rehearsed).
+STALLABLE = (
+    "gather-records",
+    "allreduce-all",
+    "gather-allreduce",
+    "pair-round1",
+    "gather-round1",
+    "gather-bundles",
+)
+
+
+class CollectiveHung(GpudiagError):
+    """A collective did not finish by its deadline."""
+
+    def __init__(self, name: str, seq: int, detail: str):
+        super().__init__(f"{name} (collective #{seq}) did not finish: {detail}")
+        self.name, self.seq = name, seq
+
+
+class Progress:
+    """Each rank's place among the sweep's collectives, kept in the group's store: before
+    a collective ``"<seq> in <name>"``, after it ``"<seq> out <name>"``. When one times
+    out, :meth:`stuck` reads every rank's entry and names the ranks that are behind."""
+
+    def __init__(self, dist: Any, rank: int, world: int):
+        self.rank, self.world, self.seq = rank, world, 0
+        self.store: Any = None
+        with contextlib.suppress(Exception):
+            base = dist.distributed_c10d._get_default_store()
+            self.store = dist.PrefixStore("gpudiag-sweep/", base)
+
+    def mark(self, state: str, name: str) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"at/{self.rank}", f"{self.seq} {state} {name}")
+
+    def stuck(self, waiting_in: str = "the next collective") -> list[tuple[int, str]]:
+        """(rank, where) for the ranks furthest behind; [] when none stands out.
+        ``waiting_in``: the collective the others timed out in."""
+        if self.store is None:
+            return []
+        places: dict[int, tuple[int, str, str]] = {}
+        for rank in range(self.world):
+            key = f"at/{rank}"
+            try:
+                value = self.store.get(key).decode() if self.store.check([key]) else "0 out start"
+                seq, state, name = value.split(" ", 2)
+                places[rank] = (int(seq), state, name)
+            except Exception:
+                places[rank] = (0, "out", "start")
+        lowest = min(p[0] for p in places.values())
+        behind = [r for r, p in places.items() if p[0] == lowest]
+        if len(behind) == self.world and len({p[1] for p in places.values()}) == 1:
+            return []
+        out = []
+        for rank in behind:
+            seq, state, name = places[rank]
+            where = (
+                f"inside {name} (collective #{seq})"
+                if state == "in"
+                else f"after {name}, never entered {waiting_in}"
+            )
+            out.append((rank, where))
+        return out
+
+
+class Between:
+    """The collectives between nodes, each with a deadline and tracked progress."""
+
+    def __init__(self, ident: Identity, options: SweepOptions, backend: str):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.ident, self.options, self.backend = ident, options, backend
+        self.device = torch.device(f"cuda:{ident.local_rank}") if backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.progress = Progress(dist, ident.rank, ident.world)
+        self.deadline = datetime.timedelta(seconds=options.phase_timeout)
+
+    @contextlib.contextmanager
+    def collective(self, name: str) -> Iterator[None]:
+        self.progress.seq += 1
+        if self.options.stall == name:  # rehearsal: this rank never arrives
+            time.sleep(self.options.phase_timeout * 2)
+        self.progress.mark("in", name)
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, CollectiveHung):
+                raise
+            raise CollectiveHung(
+                name, self.progress.seq, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            ) from None
+        self.progress.mark("out", name)
+
+    def wait(self, work: Any) -> None:
+        if not work.wait(timeout=self.deadline):
+            raise RuntimeError(f"no answer within {self.options.phase_timeout:g} s")
+
+    def all_gather(self, name: str, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.ident.world
+        with self.collective(name):
+            self.dist.all_gather_object(out, obj)
+        return out
+
+    def allreduce_all(self, faults: Any) -> dict[str, Any]:
+        """Every rank contributes rank+1; each element must come back as W(W+1)/2."""
+        from gpudiag.runtime.faults import corrupt
+
+        torch, n = self.torch, self.options.nbytes // 4
+        buf = torch.full((n,), float(self.ident.rank + 1), dtype=torch.float32, device=self.device)
+        expected = self.ident.world * (self.ident.world + 1) / 2
+        start = time.perf_counter()
+        with self.collective("allreduce-all"):
+            self.wait(self.dist.all_reduce(buf, async_op=True))
+        seconds = time.perf_counter() - start
+        if self.ident.leader:
+            for fault in faults.due_on_rank(self.ident.node, 1):
+                buf = corrupt(buf, fault)
+        wrong = int((buf != expected).sum().item())
+        return {
+            "ok": wrong == 0,
+            "wrong": wrong,
+            "expected": expected,
+            "elements": n,
+            "seconds": round(seconds, 6),
+        }
+
+    def pair_groups(self, rnd: int, ranks: list[tuple[int, int]]) -> list[Any]:
+        """One process group per pair of the round, created by every rank in the same order
+        (``new_group`` is collective; measured: groups made with
+        ``use_local_synchronization=True`` hung on gloo once pairs were re-formed)."""
+        with self.collective(f"new-groups-round{rnd}"):
+            return [self.dist.new_group(sorted(pair)) for pair in ranks]
+
+    def pair_test(self, rnd: int, group: Any, peer_node: int, faults: Any) -> dict[str, Any]:
+        """This leader's side of one pair: ``iters`` timed all-reduces, then one checked."""
+        from gpudiag.runtime.faults import corrupt
+
+        torch, dist = self.torch, self.dist
+        n = self.options.nbytes // 4
+        name = f"pair-round{rnd}"
+        with self.collective(name):
+            buf = torch.ones(n, dtype=torch.float32, device=self.device)
+            self.wait(dist.all_reduce(buf, group=group, async_op=True))  # warm-up
+            seconds = math.inf  # the fastest of the timed all-reduces: robust to a busy host
+            for _ in range(self.options.repeats):
+                start = time.perf_counter()
+                if self.options.delay:
+                    time.sleep(self.options.delay)
+                self.wait(dist.all_reduce(buf, group=group, async_op=True))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds = min(seconds, time.perf_counter() - start)
+            buf.fill_(float(self.ident.node + 1))
+            self.wait(dist.all_reduce(buf, group=group, async_op=True))
+        for fault in faults.due(peer_node, self.ident.node, rnd):
+            buf = corrupt(buf, fault)
+        expected = float(self.ident.node + 1 + peer_node + 1)
+        wrong = int((buf != expected).sum().item())
+        busbw = self.options.nbytes / seconds / 1e9  # two ranks: busbw = algbw × 2(2−1)/2
+        return {
+            "round": rnd,
+            "peer": peer_node,
+            "busbw_gbps": round(busbw, 6),
+            "ok": wrong == 0,
+            "wrong": wrong,
+        }
+
+
+@dataclass
+class Outcome:
+    """What the between-node phase has learnt so far, kept as it goes so that rank 0 can
+    still write the results when a later collective hangs."""
+
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)  # node → record
+    notes: list[str] = field(default_factory=list)
+    bundles: dict[str, bytes] = field(default_factory=dict)  # host → zip (rank 0)
+    failure: GpudiagError | Exception | None = None
+    stuck: list[tuple[int, str]] = field(default_factory=list)  # (rank, where) behind the others
+
+    def ordered(self) -> list[dict[str, Any]]:
+        return [self.records[k] for k in sorted(self.records)]
+
+
+def between_nodes(b: Between, record: dict[str, Any] | None, out: Outcome) -> None:
+    """The all-gather of records, the all-node all-reduce (results all-gathered), the
+    pairwise rounds (each round's results all-gathered, so every rank plans the next round
+    from the same facts). ``out.records`` holds every leader's record as it grows."""
+    from gpudiag.runtime.faults import FaultPlan
+
+    ident = b.ident
+    faults = FaultPlan.parse(list(b.options.inject))
+    gathered = b.all_gather(
+        "gather-records", None if record is None else {"record": record, "rank": ident.rank}
+    )
+    leaders = {g["record"]["node"]: g["rank"] for g in gathered if g is not None}
+    out.records = {g["record"]["node"]: g["record"] for g in gathered if g is not None}
+    result = b.allreduce_all(faults)
+    for item in b.all_gather("gather-allreduce", None if record is None else (ident.node, result)):
+        if item is not None:
+            out.records[item[0]]["allreduce"] = item[1]
+    rules = load_rules(b.options.rules)
+    history: dict[int, Any] = {}
+    pairs = first_round(list(leaders))
+    rnd = 1
+    while pairs:
+        if rnd > MAX_ROUNDS:
+            out.notes.append(f"pairwise link test stopped after {MAX_ROUNDS} rounds; nodes left untested")
+            break
+        entry = None
+        groups = b.pair_groups(rnd, [(leaders[x], leaders[y]) for x, y in pairs])
+        for (x, y), group in zip(pairs, groups, strict=True):
+            if record is not None and ident.node in (x, y):
+                entry = b.pair_test(rnd, group, y if ident.node == x else x, faults)
+        for item in b.all_gather(f"gather-round{rnd}", None if entry is None else (ident.node, entry)):
+            if item is not None:
+                rec = out.records[item[0]]
+                rec["pairs"] = [*(rec.get("pairs") or []), item[1]]
+                bws = [p["busbw_gbps"] for p in rec["pairs"] if isinstance(p.get("busbw_gbps"), (int, float))]
+                rec.setdefault("figures", {})["pair_busbw_gbps"] = max(bws) if bws else None
+        rounds = pair_rounds(out.ordered())
+        reference = None
+        if rnd > 1:  # later rounds compare with round 1's good pairs
+            good = [pair_figures(rounds[1][p])[0] for p, o in history[1].items() if o == "good"]
+            reference = median([g for g in good if g is not None])
+        history[rnd] = judge_round(rounds.get(rnd, {}), float(rules["pair_slow_fraction"]), reference)
+        pairs = next_round(list(leaders), history)
+        rnd += 1

@@ -1,0 +1,240 @@
+"""One node of a sweep: who this process is (:class:`Identity`), what it was asked
+(:class:`SweepOptions`), and the node's own phase (:func:`local_phase`): the suite's
+checks through :func:`gpudiag.repro.report.run_report` and the intra-node all-reduce bus
+bandwidth, run with torchrun's variables hidden so the checks start local ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.errors import GpudiagError
+from gpudiag.identity import hostname
+from gpudiag.repro.sweep.results import NODE_SCHEMA
+
+LOCAL_CHECKS = ("env", "topology", "peer", "nancheck")
+_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+@dataclass
+class SweepOptions:
+    """What ``gpudiag sweep`` was asked for. ``timeout``: seconds per phase (the local
+    checks, each collective). ``size_mib``: the all-reduce size of the bandwidth tests."""
+
+    output: str = "sweep"
+    force: bool = False
+    machine: str | None = None
+    checks: tuple[str, ...] = LOCAL_CHECKS
+    quick: bool = False
+    inject: tuple[str, ...] = ()
+    delay: float = 0.0  # rehearse a slow node: seconds added before each of its transfers
+    stall: str | None = None  # rehearse a hang: this node never enters the named collective
+    expect_hosts: str | None = None
+    rules: str | None = None
+    baseline: str | None = None
+    backend: str = "auto"
+    timeout: float | None = None
+    size_mib: float | None = None
+    iters: int | None = None
+    anonymize: bool = False
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def phase_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else (45.0 if self.quick else 300.0)
+
+    @property
+    def nbytes(self) -> int:
+        mib = self.size_mib if self.size_mib is not None else (1.0 if self.quick else 64.0)
+        return max(4, int(mib * (1 << 20)) // 4 * 4)
+
+    @property
+    def repeats(self) -> int:
+        return self.iters if self.iters is not None else (3 if self.quick else 10)
+
+
+@dataclass
+class Identity:
+    """Who this process is in the sweep."""
+
+    rank: int
+    world: int
+    local_rank: int
+    node: int
+    host: str
+    torchrun: bool
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str] | None = None) -> Identity:
+        env = os.environ if environ is None else environ
+        from gpudiag.runtime.launch import torchrun_env
+
+        if not torchrun_env(env):
+            return cls(0, 1, 0, 0, hostname(), False)
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+        node = int(env["GROUP_RANK"]) if env.get("GROUP_RANK", "").isdigit() else rank // local_world
+        nodes = (
+            int(env["GROUP_WORLD_SIZE"])
+            if env.get("GROUP_WORLD_SIZE", "").isdigit()
+            else -(-world // local_world)
+        )
+        return cls(rank, world, local_rank, node, hostname(), True, nodes)
+
+    nodes: int = 1  # how many nodes the launcher started (torchrun's GROUP_WORLD_SIZE)
+
+    @property
+    def leader(self) -> bool:
+        return self.local_rank == 0
+
+
+@contextlib.contextmanager
+def hidden_torchrun() -> Iterator[None]:
+    """While active, this process does not look like a torchrun rank, so the runtime's
+    :func:`~gpudiag.runtime.launch` starts local ranks for the node's own checks instead
+    of joining the cluster's group."""
+    saved = {k: os.environ.pop(k) for k in _TORCHRUN_KEYS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _digest(topology: Any) -> str | None:
+    if topology is None:
+        return None
+    labels = topology.gpu_labels
+    doc = {
+        "gpus": [topology.gpus[label].name if label in topology.gpus else None for label in labels],
+        "links": [[topology.cell(a, b) for b in labels] for a in labels],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _busbw_rank(rank: int, world: int, nbytes: int, iters: int, delay: float, backend: str) -> bytes:
+    """One rank of the intra-node bandwidth test: seconds for ``iters`` all-reduces."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(buf)  # warm-up: connections, algorithm choice
+    dist.barrier()
+    best = math.inf
+    for _ in range(iters):
+        start = time.perf_counter()
+        if delay and rank == 0:
+            time.sleep(delay)
+        dist.all_reduce(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return struct.pack("<d", best)
+
+
+def intra_busbw(gpus: int, options: SweepOptions, backend: str) -> float | None:
+    """The node's all-reduce bus bandwidth across its ``gpus`` in GB/s (nccl-tests' busbw:
+    algbw × 2(n−1)/n; ``all_reduce_perf -b N -e N``) from the fastest of ``iters`` timed
+    all-reduces (the slowest rank's), None with fewer than 2."""
+    if gpus < 2:
+        return None
+    from gpudiag.runtime import launch
+
+    results = launch(
+        _busbw_rank,
+        gpus,
+        backend=backend,
+        timeout=options.phase_timeout,
+        args=(options.nbytes, options.repeats, options.delay, backend),
+    )
+    seconds = max(struct.unpack("<d", bytes(r[:8]))[0] for r in results)
+    return options.nbytes / seconds * 2 * (gpus - 1) / gpus / 1e9
+
+
+@dataclass
+class Local:
+    """A leader's local phase: its record so far and its report (bundle written later)."""
+
+    record: dict[str, Any]
+    report: Any
+
+
+def local_phase(options: SweepOptions, ident: Identity, backend: str) -> Local:
+    """The node's own checks and figures, with torchrun's group hidden."""
+    from gpudiag.checks.suite import Here
+    from gpudiag.repro.report import run_report
+
+    start = time.perf_counter()
+    problems: list[dict[str, Any]] = []
+    with hidden_torchrun():
+        here = Here.detect(options.machine)
+        inputs = {"input_shape": [3, 8, 8]} if options.quick else None
+        report = run_report(
+            here, list(options.checks), inject=options.inject, inputs=inputs, argv=list(options.argv)
+        )
+        gpus = len(here.gpus)
+        local_backend = "gloo" if here.machine is not None or backend == "gloo" else "nccl"
+        try:
+            intra = intra_busbw(gpus, options, local_backend)
+        except GpudiagError as exc:
+            intra = None
+            problems.append(
+                {
+                    "code": "node-check-failed",
+                    "message": f"intra-node all-reduce: {exc}",
+                    "expected": "a figure",
+                    "measured": None,
+                }
+            )
+    topology = here.machine
+    if topology is None and here.nvml is None:
+        with contextlib.suppress(GpudiagError):
+            from gpudiag.hw.sources import read_topology
+
+            topology = read_topology()
+    env = next((c.result for c in report.checks if c.name == "env" and c.result), None) or {}
+    versions = dict(env.get("sections", {}).get("versions", {}))
+    names = sorted({str(g.name) for g in topology.gpus.values() if g.name}) if topology is not None else []
+    virtual = here.machine is not None or local_backend == "gloo"
+    kind = names[0] if len(names) == 1 else ("mixed GPUs" if names else "GPU")
+    record: dict[str, Any] = {
+        "schema": NODE_SCHEMA,
+        "host": ident.host,
+        "node": ident.node,
+        "rank": ident.rank,
+        "simulated": virtual,
+        "machine_type": f"{gpus}x {kind}" + (" (virtual)" if here.machine is not None else ""),
+        "machine_source": here.machine_source,
+        "gpus": gpus,
+        "topology_digest": _digest(topology),
+        "versions": {
+            k: versions.get(k) for k in ("nvidia_driver", "cuda_runtime", "nccl_runtime", "torch", "gpudiag")
+        },
+        "checks": [
+            {
+                "name": c.name,
+                "status": c.status,
+                "simulated": c.simulated,
+                "codes": sorted({f.code for f in c.findings if f.severity in ("error", "warning")}),
+                "headline": c.headline[:300],
+            }
+            for c in report.checks
+        ],
+        "figures": {"intra_busbw_gbps": None if intra is None else round(intra, 6), "pair_busbw_gbps": None},
+        "allreduce": None,
+        "pairs": [],
+        "problems": problems,
+        "injected": list(options.inject),
+        "delay_s": options.delay or None,
+        "seconds": {"local": round(time.perf_counter() - start, 3)},
+    }
+    return Local(record, report)

@@ -1,0 +1,121 @@
+"""A cluster rehearsed on one machine: several "nodes", each its own ``torchrun`` on
+127.0.0.1 with its own host name (``GPUDIAG_HOSTNAME``), machine file (CPU virtual devices
+laid out like it) and rehearsal options (``--inject``, ``--inject-delay``). The tests and
+``bench/sweep_nodes.py`` use it; everything it reports is simulated.
+
+Each node is started in a process group of its own and killed (group and all) when the
+deadline passes, so no rank outlives the rehearsal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Node:
+    """One rehearsed node: its host name, machine file and extra ``gpudiag sweep`` options."""
+
+    host: str
+    machine: str
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    host: str
+    returncode: int | None  # None: killed at the deadline
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun() -> list[str]:
+    """``python -m torch.distributed.run``: torchrun of this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def rehearse(
+    nodes: Sequence[Node],
+    output: str | os.PathLike[str],
+    common: Sequence[str] = (),
+    *,
+    deadline: float = 120.0,
+    port: int | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> list[Finished]:
+    """Start one torchrun per node (``--nnodes len(nodes)``, static rendezvous on
+    127.0.0.1), wait for all of them up to ``deadline`` seconds, return each node's exit
+    code and output. ``common``: options every node gets (``--quick``, ``--expect-hosts``)."""
+    port = port or free_port()
+    procs: list[tuple[Node, subprocess.Popen[bytes]]] = []
+    logs: list[Path] = []
+    folder = Path(cwd or ".")
+    try:
+        for index, node in enumerate(nodes):
+            argv = [
+                *torchrun(),
+                f"--nnodes={len(nodes)}",
+                "--nproc-per-node=1",
+                f"--node-rank={index}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "gpudiag",
+                "sweep",
+                "-o",
+                str(output),
+                "--machine",
+                node.machine,
+                *common,
+                *node.args,
+            ]
+            env = {**os.environ, "GPUDIAG_HOSTNAME": node.host, "OMP_NUM_THREADS": "1"}
+            log = folder / f".rehearse-{os.getpid()}-{index}.log"
+            logs.append(log)
+            with open(log, "wb") as out:
+                procs.append(
+                    (
+                        node,
+                        subprocess.Popen(
+                            argv,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                            cwd=cwd,
+                            start_new_session=True,
+                        ),
+                    )
+                )
+        end = time.monotonic() + deadline
+        codes: list[int | None] = []
+        for _, proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    finished = []
+    for (node, _), code, log in zip(procs, codes, logs, strict=True):
+        text = log.read_text(errors="replace")
+        log.unlink()
+        finished.append(Finished(node.host, code, text))
+    return finished

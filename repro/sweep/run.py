@@ -1,0 +1,350 @@
+"""The distributed sweep: run under ``torchrun``, every node checks itself, then the nodes
+check the links between them, and rank 0 writes the results.
+
+Per process (one per node, or one per GPU: the process with ``LOCAL_RANK`` 0 is the
+node's *leader* and does the node's work, the others join the collectives):
+
+1. **Local phase** (leaders, before joining the group, with torchrun's variables hidden so
+   the checks start their own local ranks): the suite's checks (``env``, ``topology``,
+   ``peer`` on every pair, ``nancheck`` per GPU and pair) through
+   :func:`gpudiag.repro.report.run_report`, and the intra-node all-reduce bus bandwidth
+   across the node's GPUs (``nccl-tests``' busbw: bytes / time × 2(n−1)/n) when it has ≥ 2.
+2. **Join** the torchrun group through the runtime (:func:`gpudiag.runtime.launch`, which
+   under torchrun joins ``env://`` instead of starting ranks).
+3. **Between nodes**, each collective with a deadline and its progress in the group's
+   store (so a rank that hangs is named: which rank, which collective): the records
+   all-gathered; an all-reduce across every rank with a value check; the **pairwise link
+   test** (:mod:`gpudiag.repro.sweep.judge`'s rounds: neighbours first, then every node of
+   a bad pair with a known-good node), each pair an all-reduce group of its own, timed, with
+   a value check.
+4. **Gather**: each leader's record and redacted report bundle (a zip written on the node)
+   to rank 0 (``gather_object``); rank 0 judges and writes the sweep folder.
+
+Under NCCL the sweep pins ``NCCL_ALGO`` (default Ring) so figures compare, and turns on
+PyTorch's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
+``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) and ``TORCH_NCCL_NAN_CHECK``; dumps go into the node's
+bundle (``flight/``). On gloo (CPU) these are set and have no effect; sweep.json says so.
+"""
+
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpudiag.errors import InputError
+from gpudiag.repro.sweep.between import STALLABLE, Between, CollectiveHung, Outcome, between_nodes
+from gpudiag.repro.sweep.hosts import expected_hosts
+from gpudiag.repro.sweep.judge import FleetVerdict, judge
+from gpudiag.repro.sweep.node import LOCAL_CHECKS, Identity, Local, SweepOptions, local_phase
+from gpudiag.repro.sweep.results import (
+    NODES,
+    RESULTS,
+    RULES,
+    RUN,
+    RUN_SCHEMA,
+    SUMMARY,
+    results_jsonl,
+    summary_markdown,
+)
+from gpudiag.repro.sweep.rules import load_baseline, load_rules
+
+__all__ = ["LOCAL_CHECKS", "SweepOptions", "SweepRun", "rejudge", "sweep"]
+#: Settings the sweep turns on for its own collectives (unless already set).
+#: PyTorch 2.10 and later read the flight recorder's settings as ``TORCH_FR_*`` (the
+#: ``TORCH_NCCL_*`` names still work there, with a deprecation warning per process group).
+FLIGHT_RECORDER_OLD = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{scratch}/nccl_trace_rank_",
+}
+FLIGHT_RECORDER_NEW = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_FR_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_DUMP_TEMP_FILE": "{scratch}/nccl_trace_rank_",
+}
+
+
+def check_output(options: SweepOptions) -> Path:
+    """The output folder, refused before anything runs when gpudiag may not write it."""
+    from gpudiag.fileio import check_target
+
+    def not_a_sweep(path: Path) -> str | None:
+        return None if (path / RESULTS).is_file() or (path / RUN).is_file() else "not a gpudiag sweep folder"
+
+    return check_target(options.output, force=options.force, folder=True, replaceable=not_a_sweep)
+
+
+def _backend(options: SweepOptions) -> str:
+    if options.backend != "auto":
+        return options.backend
+    from gpudiag.hw.cuda import cuda_device_count
+
+    return "nccl" if options.machine is None and cuda_device_count() > 0 else "gloo"
+
+
+def _pin_settings(backend: str, scratch: Path) -> dict[str, str]:
+    """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set): before
+    any process group exists, as PyTorch reads them when it creates one."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    recorder = FLIGHT_RECORDER_NEW if (major, minor) >= (2, 10) else FLIGHT_RECORDER_OLD
+    wanted = {k: v.format(scratch=scratch) for k, v in recorder.items()}
+    wanted.update({"TORCH_NCCL_NAN_CHECK": "1", "NCCL_ALGO": "Ring"})
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    return {k: os.environ[k] for k in wanted}
+
+
+# -- the whole run ---------------------------------------------------------------------
+
+
+@dataclass
+class SweepRun:
+    """What a sweep produced: the verdict (on rank 0), the records, where it wrote them."""
+
+    verdict: FleetVerdict | None
+    records: list[dict[str, Any]]
+    run: dict[str, Any]
+    folder: Path | None
+    ident: Identity
+
+    @property
+    def exit_code(self) -> int:
+        if self.verdict is None:
+            return 0
+        return self.verdict.exit_code
+
+
+def _bundle_bytes(report: Any, extra: dict[str, bytes], anonymize: bool) -> bytes:
+    """The node's report bundle as zip bytes, redacted here on the node."""
+    from gpudiag.redact import Redactor
+    from gpudiag.repro.report import write_bundle
+
+    report.files.update(extra)
+    with tempfile.TemporaryDirectory(prefix="gpudiag-sweep-bundle-") as tmp:
+        path = write_bundle(report, Path(tmp) / "bundle.zip", redactor=Redactor(anonymize=anonymize))
+        return path.read_bytes()
+
+
+def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> SweepRun:
+    """Run the sweep from this process (a torchrun rank, or alone: a fleet of one).
+    Inputs are checked first (rules, baseline, expected hosts, the output folder: exit 2)."""
+    env = os.environ if environ is None else environ
+    ident = Identity.detect(env)
+    rules = load_rules(options.rules)
+    baseline = load_baseline(options.baseline)
+    hosts, hosts_from = expected_hosts(options.expect_hosts, env)
+    folder = check_output(options) if ident.rank == 0 else None
+    if options.stall is not None and options.stall not in STALLABLE:
+        raise InputError(f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)}")
+    backend = _backend(options)
+    scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
+    started = time.perf_counter()
+    try:
+        pinned = _pin_settings(backend, scratch)
+        local = local_phase(options, ident, backend) if ident.leader else None
+        out = Outcome()
+        if local is not None:
+            out.records = {ident.node: local.record}
+        if not ident.torchrun:  # a fleet of one: nothing between nodes
+            out.notes.append(
+                "not under torchrun: a fleet of one node (no between-node tests to compare with)"
+            )
+        else:
+            _between(options, ident, backend, local, out, scratch)
+        if ident.rank != 0:
+            return SweepRun(None, [], {}, None, ident)
+        if local is not None and ident.host not in out.bundles:  # (alone, or the gather failed)
+            out.bundles[ident.host] = _bundle_bytes(
+                local.report, _node_files(out, ident, scratch), options.anonymize
+            )
+        return _finish(
+            options, ident, out, rules, baseline, (hosts, hosts_from), backend, pinned, folder, started
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _node_files(out: Outcome, ident: Identity, scratch: Path) -> dict[str, bytes]:
+    """What a node adds to its bundle: its sweep record and the flight recorder's dumps."""
+    mine = out.records.get(ident.node, {})
+    files = {"sweep/node.json": (json.dumps(mine, indent=1) + "\n").encode()}
+    files.update(
+        {f"flight/{p.name}": p.read_bytes() for p in sorted(scratch.glob("nccl_trace_rank_*")) if p.is_file()}
+    )
+    return files
+
+
+def _between(
+    options: SweepOptions, ident: Identity, backend: str, local: Local | None, out: Outcome, scratch: Path
+) -> None:
+    """Join the torchrun group through the runtime and run the between-node phase; each
+    leader's bundle goes to rank 0 last (``gather_object``)."""
+    from gpudiag.runtime import RankFailure, launch
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        b = Between(ident, options, backend)
+        try:
+            between_nodes(b, None if local is None else local.record, out)
+            payload = None
+            if local is not None:
+                files = _node_files(out, ident, scratch)
+                payload = (ident.host, _bundle_bytes(local.report, files, options.anonymize))
+            gathered: list[Any] = [None] * world
+            with b.collective("gather-bundles"):
+                b.dist.gather_object(payload, gathered if rank == 0 else None, dst=0)
+            out.bundles = {host: data for host, data in (g for g in gathered if g is not None)}
+        except CollectiveHung as exc:
+            out.failure = exc
+            out.stuck = b.progress.stuck(exc.name) if rank == 0 else []
+            raise
+        return b""
+
+    try:
+        launch(rank_fn, ident.world, backend=backend, timeout=options.phase_timeout)
+    except (CollectiveHung, RankFailure, RuntimeError) as exc:  # (joining the group timed out)
+        if out.failure is None:
+            out.failure = exc
+
+
+def _finish(
+    options: SweepOptions,
+    ident: Identity,
+    out: Outcome,
+    rules: dict[str, Any],
+    baseline: dict[str, dict[str, float]],
+    expected: tuple[list[str], str | None],
+    backend: str,
+    pinned: dict[str, str],
+    folder: Path | None,
+    started: float,
+) -> SweepRun:
+    """Rank 0: name the ranks that hung, judge what arrived, write the sweep folder."""
+    notes = list(out.notes)
+    records = out.ordered()
+    if out.failure is not None:
+        notes.append(f"the sweep stopped: {out.failure}")
+        by_rank = {int(r.get("rank", -1)): r for r in records}
+        for rank, where in out.stuck:
+            problem = {
+                "code": "node-hung",
+                "message": f"rank {rank} stopped answering {where} (deadline {options.phase_timeout:g} s)",
+                "expected": "an answer",
+                "measured": None,
+            }
+            if rank in by_rank:
+                by_rank[rank]["problems"] = [*(by_rank[rank].get("problems") or []), problem]
+            else:
+                notes.append(
+                    f"rank {rank} (not a node leader, or never sent its record) stopped answering {where}"
+                )
+        if not out.stuck:
+            notes.append("no rank stands out as behind: every rank was in the same collective")
+    if backend == "gloo":
+        notes.append(
+            "gloo backend (CPU): NCCL_ALGO, the NCCL flight recorder's settings and TORCH_NCCL_NAN_CHECK "
+            "were set but gloo does not use them"
+        )
+    hosts, hosts_from = expected
+    verdict = judge(records, expected_hosts=hosts, rules=rules, baseline=baseline, expected_nodes=ident.nodes)
+    if out.failure is not None and verdict.exit_code == 0:
+        verdict.notes.append("the sweep did not finish (see the notes): exit 1")
+        verdict.failed = True
+    run = {
+        "schema": RUN_SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": list(options.argv) or ["gpudiag", *sys.argv[1:]],
+        "backend": backend,
+        "world_size": ident.world,
+        "nodes": ident.nodes,
+        "expected_hosts": hosts,
+        "expected_from": hosts_from,
+        "pinned": pinned,
+        "injected": list(options.inject),
+        "quick": options.quick,
+        "phase_timeout_s": options.phase_timeout,
+        "message_bytes": options.nbytes,
+        "seconds": round(time.perf_counter() - started, 3),
+        "finished": out.failure is None,
+        "notes": notes,
+    }
+    if folder is not None:
+        write_sweep(folder, records, run, rules, verdict, out.bundles, force=options.force)
+    return SweepRun(verdict, records, run, folder, ident)
+
+
+def write_sweep(
+    folder: Path,
+    records: list[dict[str, Any]],
+    run: dict[str, Any],
+    rules: dict[str, Any],
+    verdict: FleetVerdict,
+    bundles: dict[str, bytes],
+    *,
+    force: bool,
+) -> Path:
+    """The sweep folder, written whole beside its place and renamed into it."""
+    from gpudiag.fileio import new_mode, temporary_folder
+    from gpudiag.redact import Redactor
+
+    redactor = Redactor()
+    files = {
+        RESULTS: results_jsonl(records).encode(),
+        RUN: (json.dumps(run, indent=1) + "\n").encode(),
+        RULES: (json.dumps(rules, indent=1) + "\n").encode(),
+        SUMMARY: summary_markdown(verdict, records, run).encode(),
+    }
+    files = {name: redactor.bytes(data) for name, data in files.items()}
+    for host, data in bundles.items():  # (redacted on their node)
+        files[f"{NODES}/{_safe(host)}.zip"] = data
+    staging = temporary_folder(folder)
+    try:
+        for name, data in files.items():
+            dest = staging / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+        staging.chmod(new_mode(folder=True))
+        if folder.exists():
+            old = temporary_folder(folder, ".old")
+            os.replace(folder, old / "sweep")
+            os.replace(staging, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _safe(host: str) -> str:
+    """A host name as a file name (nothing but letters, digits, ``.-_``)."""
+    cleaned = "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in host).strip(".")
+    return cleaned or "host"
+
+
+def rejudge(
+    folder: str,
+    *,
+    rules: str | None = None,
+    baseline: str | None = None,
+    expect_hosts: str | None = None,
+) -> tuple[FleetVerdict, Any]:
+    """``gpudiag sweep --summary``: read a sweep folder (or results.jsonl) and judge again,
+    with its own rules.json unless ``rules`` names another file."""
+    from gpudiag.repro.sweep.hosts import expand_nodelist
+    from gpudiag.repro.sweep.results import read_sweep
+
+    data = read_sweep(folder)
+    used = load_rules(rules) if rules else (data.rules or load_rules(None))
+    hosts = expand_nodelist(expect_hosts) if expect_hosts else list(data.run.get("expected_hosts") or [])
+    verdict = judge(data.records, expected_hosts=hosts, rules=used, baseline=load_baseline(baseline))
+    return verdict, data
