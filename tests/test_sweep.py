@@ -1,0 +1,239 @@
+"""gpudiag sweep's judging, results and summary on synthetic nodes (no processes)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from gpudiag.cli import cli
+from gpudiag.errors import InputError
+from gpudiag.repro.sweep.hosts import expand_nodelist, expected_hosts
+from gpudiag.repro.sweep.judge import (
+    HEALTHY,
+    NO_RESULT,
+    PROBLEM,
+    first_round,
+    judge,
+    judge_round,
+    leave_one_out_medians,
+    median,
+    next_round,
+)
+from gpudiag.repro.sweep.results import NODE_SCHEMA, RESULTS, RULES, RUN, RUN_SCHEMA, results_jsonl
+from gpudiag.repro.sweep.rules import DEFAULT_RULES, check_baseline, check_rules, load_rules
+
+
+def node(i: int, **changes: Any) -> dict[str, Any]:
+    """A healthy synthetic node record; ``changes`` replace fields (``figures`` merges)."""
+    rec: dict[str, Any] = {
+        "schema": NODE_SCHEMA,
+        "host": f"node{i}",
+        "node": i,
+        "rank": i,
+        "simulated": False,
+        "machine_type": "8x H100",
+        "gpus": 8,
+        "topology_digest": "abc",
+        "versions": {
+            "nvidia_driver": "560.35",
+            "cuda_runtime": "12.6",
+            "nccl_runtime": "2.21",
+            "torch": "2.5",
+        },
+        "checks": [{"name": "peer", "status": "pass", "codes": [], "headline": "ok"}],
+        "figures": {"intra_busbw_gbps": 400.0 + (i % 7), "pair_busbw_gbps": 45.0 + (i % 3) * 0.5},
+        "allreduce": {"ok": True, "wrong": 0, "expected": 1.0},
+        "pairs": [],
+        "problems": [],
+    }
+    figures = changes.pop("figures", {})
+    rec.update(changes)
+    rec["figures"] = {**rec["figures"], **figures}
+    return rec
+
+
+def by_host(verdict: Any) -> dict[str, Any]:
+    return {v.host: v for v in verdict.nodes}
+
+
+def codes(verdict: Any, host: str) -> list[str]:
+    return [p.code for p in by_host(verdict)[host].problems]
+
+
+def test_leave_one_out_median_equals_the_median_of_the_others() -> None:
+    rng = random.Random(0)
+    for n in range(0, 14):
+        for _ in range(30):
+            values = [rng.choice([1.0, 2.0, 2.0, rng.random() * 3]) for _ in range(n)]
+            got = leave_one_out_medians(values)
+            for i in range(n):
+                rest = values[:i] + values[i + 1 :]
+                assert got[i] == median(rest)
+
+
+def test_a_clean_fleet_names_nobody() -> None:
+    verdict = judge([node(i) for i in range(16)], expected_hosts=[f"node{i}" for i in range(16)])
+    assert verdict.exit_code == 0 and not verdict.named
+    assert all(v.status == HEALTHY for v in verdict.nodes)
+
+
+def test_each_kind_of_outlier_is_named_and_nobody_else() -> None:
+    records = [node(i) for i in range(10)]
+    records[2] = node(2, figures={"intra_busbw_gbps": 250.0})  # 37% below the others
+    records[3] = node(3, versions={**records[3]["versions"], "nvidia_driver": "550.1"})
+    records[4] = node(4, topology_digest="xyz")
+    records[5] = node(5, gpus=7)
+    records[6] = node(
+        6, checks=[{"name": "nancheck", "status": "fail", "codes": ["link-corruption"], "headline": "x"}]
+    )
+    records[7] = node(7, allreduce={"ok": False, "wrong": 3, "expected": 55.0})
+    verdict = judge(records, expected_hosts=[f"node{i}" for i in range(11)])
+    assert codes(verdict, "node2") == ["node-figure-low"]
+    assert codes(verdict, "node3") == ["node-version-differs"]
+    assert codes(verdict, "node4") == ["node-topology-differs"]
+    assert codes(verdict, "node5") == ["node-fewer-gpus"]
+    assert codes(verdict, "node6") == ["node-check-failed"]
+    assert codes(verdict, "node7") == ["node-allreduce-wrong"]
+    assert by_host(verdict)["node10"].status == NO_RESULT and codes(verdict, "node10") == ["node-missing"]
+    assert {v.host for v in verdict.named} == {f"node{i}" for i in (2, 3, 4, 5, 6, 7, 10)}
+    low = by_host(verdict)["node2"].problems[0]
+    assert low.measured == 250.0 and "0.8" in low.expected  # expected vs measured
+    assert verdict.exit_code == 1
+
+
+def test_rules_change_the_threshold_and_a_baseline_judges_a_lone_type() -> None:
+    records = [node(i) for i in range(4)]
+    records[1] = node(1, figures={"intra_busbw_gbps": 300.0})  # 25 % below
+    assert codes(judge(records), "node1") == ["node-figure-low"]
+    rules = check_rules({"figures": {"intra_busbw_gbps": {"min_fraction_of_median": 0.5}}})
+    assert judge(records, rules=rules).exit_code == 0
+    baseline = check_baseline({"machine_types": {"8x H100": {"intra_busbw_gbps": 450.0}}})
+    verdict = judge(records, rules=rules, baseline=baseline)
+    assert codes(verdict, "node1") == ["node-below-baseline"]  # 300 < 0.8 × 450; 400+ is not
+
+
+def test_bad_rules_and_baselines_are_input_errors(tmp_path: Path) -> None:
+    for bad in (
+        [],
+        {"figures": {"nope": {"min_fraction_of_median": 0.5}}},
+        {"figures": {"intra_busbw_gbps": {"min_fraction_of_median": 1.5}}},
+        {"min_nodes": 1},
+        {"versions": ["kernel"]},
+        {"schema": "gpudiag.other/1"},
+        {"surprise": 1},
+    ):
+        with pytest.raises(InputError):
+            check_rules(bad)
+    with pytest.raises(InputError):
+        check_baseline({"machine_types": {"x": {"intra_busbw_gbps": -1}}})
+    path = tmp_path / "rules.json"
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="not JSON"):
+        load_rules(path)
+    assert load_rules(None) == DEFAULT_RULES
+
+
+def test_slurm_node_lists_expand() -> None:
+    assert expand_nodelist("node[01-03,07]") == ["node01", "node02", "node03", "node07"]
+    assert expand_nodelist("a1,gpu-[8-10]x,b") == ["a1", "gpu-8x", "gpu-9x", "gpu-10x", "b"]
+    assert expand_nodelist("n[08-10]") == ["n08", "n09", "n10"]
+    assert expected_hosts(None, {"SLURM_JOB_NODELIST": "c[1-2]"}) == (["c1", "c2"], "SLURM_JOB_NODELIST")
+    assert expected_hosts("x,y", {"SLURM_JOB_NODELIST": "c[1-2]"}) == (["x", "y"], "--expect-hosts")
+    for bad in ("node[1-", "node[3-1]", "node[a-b]", "node]1["):
+        with pytest.raises(InputError):
+            expand_nodelist(bad)
+
+
+def _pair_test(nodes: list[int], slow: set[int], corrupt: set[int]) -> list[dict[str, Any]]:
+    """Play the pairwise link test: a pair is as fast as its slower node; values are
+    wrong at a corrupting node. Returns records carrying the pair entries."""
+    records = {n: node(n, figures={"pair_busbw_gbps": None}) for n in nodes}
+    history: dict[int, Any] = {}
+    pairs, rnd = first_round(nodes), 1
+    while pairs:
+        for a, b in pairs:
+            bw = 5.0 if {a, b} & slow else 45.0
+            for me, peer in ((a, b), (b, a)):
+                entry = {"round": rnd, "peer": peer, "busbw_gbps": bw, "ok": me not in corrupt, "wrong": 0}
+                records[me]["pairs"].append(entry)
+        from gpudiag.repro.sweep.judge import pair_rounds
+
+        history[rnd] = judge_round(pair_rounds(list(records.values()))[rnd], 0.8, None if rnd == 1 else 45.0)
+        pairs, rnd = next_round(nodes, history), rnd + 1
+        assert rnd < 10
+    return list(records.values())
+
+
+def test_pairwise_link_test_names_the_slow_and_the_corrupting_node_and_clears_their_partners() -> None:
+    records = _pair_test(list(range(8)), slow={3}, corrupt={6})
+    assert max(e["round"] for r in records for e in r["pairs"]) == 2  # O(1) rounds here
+    verdict = judge(records)
+    assert codes(verdict, "node3") == ["node-link-slow"]
+    assert codes(verdict, "node6") == ["node-link-corrupt"]
+    assert {v.host for v in verdict.named} == {"node3", "node6"}
+    assert any("cleared" in n for n in by_host(verdict)["node2"].notes)  # slow with node3 in round 1
+    assert any("cleared" in n for n in by_host(verdict)["node7"].notes)
+
+
+def test_odd_fleet_pairs_the_last_node_in_round_two() -> None:
+    assert first_round([0, 1, 2, 3, 4]) == [(0, 1), (2, 3)]
+    records = _pair_test(list(range(5)), slow={4}, corrupt=set())
+    assert codes(judge(records), "node4") == ["node-link-slow"]
+    assert not judge(_pair_test(list(range(5)), slow=set(), corrupt=set())).named
+
+
+def _write_sweep(folder: Path, records: list[dict[str, Any]], expected: list[str]) -> None:
+    folder.mkdir()
+    (folder / RESULTS).write_text(results_jsonl(records))
+    (folder / RUN).write_text(json.dumps({"schema": RUN_SCHEMA, "expected_hosts": expected}))
+    (folder / RULES).write_text(json.dumps(DEFAULT_RULES))
+
+
+def test_summary_rejudges_a_folder_from_the_command_line(tmp_path: Path) -> None:
+    records = [node(i) for i in range(5)]
+    records[1] = node(1, figures={"intra_busbw_gbps": 100.0})
+    _write_sweep(tmp_path / "sweep", records, [f"node{i}" for i in range(6)])
+    runner = CliRunner()
+    result = runner.invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--format", "json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "gpudiag.sweep/1" and doc["problem"] == 1 and doc["no_result"] == 1
+    named = {n["host"]: n for n in doc["nodes"] if n["status"] != HEALTHY}
+    assert named["node1"]["status"] == PROBLEM and named["node5"]["status"] == NO_RESULT
+    text = runner.invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep")]).stdout
+    assert "node1: problem: node-figure-low" in text and "node5: no result: node-missing" in text
+    md = runner.invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--format", "markdown"]).stdout
+    assert md.startswith("# gpudiag sweep: 6 node(s): 4 healthy, 1 problem, 1 no result")
+    rules = tmp_path / "loose.json"
+    rules.write_text(json.dumps({"figures": {"intra_busbw_gbps": {"min_fraction_of_median": 0.2}}}))
+    again = runner.invoke(
+        cli,
+        ["sweep", "--summary", str(tmp_path / "sweep"), "--rules", str(rules), "--expect-hosts", "node[0-4]"],
+    )
+    assert again.exit_code == 0, again.output
+
+
+def test_a_damaged_results_line_is_exit_2_naming_the_line(tmp_path: Path) -> None:
+    _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
+    path = tmp_path / "sweep" / RESULTS
+    path.write_text(path.read_text() + '{"schema": "gpudiag.sweep-node/1", "host": 3}\n')
+    result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep")])
+    assert result.exit_code == 2 and "results.jsonl:3" in result.stderr
+    missing = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "not a gpudiag sweep folder" in missing.stderr
+
+
+def test_hostname_variable_overrides_the_host_name_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.identity import hostname
+    from gpudiag.redact import Redactor
+
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "rack7-node3")
+    assert hostname() == "rack7-node3"
+    assert Redactor(anonymize=True).text("ran on rack7-node3 today") == "ran on <host> today"
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "  ")
+    assert hostname() != "  "
