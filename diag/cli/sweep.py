@@ -129,7 +129,10 @@ def sweep(ctx: click.Context, summary: str | None, fmt: str, **options: Any) -> 
             baseline=options["baseline"],
             expect_hosts=options["expect_hosts"],
         )
-        _render(verdict, data.records, data.run, fmt)
+        from gpudiag.repro.sweep.run import without_gc
+
+        with without_gc():
+            _render(verdict, data.records, data.run, fmt)
         ctx.exit(verdict.exit_code)
     from gpudiag.repro.sweep.run import LOCAL_CHECKS, SweepOptions
     from gpudiag.repro.sweep.run import sweep as run_sweep
