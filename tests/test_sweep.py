@@ -178,6 +178,8 @@ def test_pairwise_link_test_names_the_slow_and_the_corrupting_node_and_clears_th
     assert {v.host for v in verdict.named} == {"node3", "node6"}
     assert any("cleared" in n for n in by_host(verdict)["node2"].notes)  # slow with node3 in round 1
     assert any("cleared" in n for n in by_host(verdict)["node7"].notes)
+    partners = [n for v in verdict.nodes if v.host in ("node0", "node1", "node4", "node5") for n in v.notes]
+    assert partners == []  # known-good partners in round 2: nothing to clear
 
 
 def test_odd_fleet_pairs_the_last_node_in_round_two() -> None:

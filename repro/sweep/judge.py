@@ -246,6 +246,11 @@ def localise(
             fine = [pair_figures(rounds[rnd][p])[0] for p, o in history[rnd].items() if o == "good"]
             reference = median([g for g in fine if g is not None])
     good, culprits = _standing(history)
+    good_since: dict[int, int] = {}  # node → the first round it was in a good pair
+    for rnd in sorted(history):
+        for pair, outcome in history[rnd].items():
+            for member in pair if outcome == "good" else ():
+                good_since.setdefault(member, rnd)
     problems: dict[int, Problem] = {}
     notes: dict[int, str] = {}
 
@@ -277,8 +282,8 @@ def localise(
             if outcome == "good":
                 continue
             for node, partner in ((a, b), (b, a)):
-                if node in culprits or node in problems:
-                    continue
+                if node in culprits or node in problems or good_since.get(node, rnd + 1) < rnd:
+                    continue  # (a known-good partner already)
                 if node in good:
                     notes[node] = (
                         f"cleared: {outcome} with {name(partner)} in round {rnd}, "
