@@ -239,3 +239,13 @@ def test_hostname_variable_overrides_the_host_name_everywhere(monkeypatch: pytes
     assert Redactor(anonymize=True).text("ran on rack7-node3 today") == "ran on <host> today"
     monkeypatch.setenv("GPUDIAG_HOSTNAME", "  ")
     assert hostname() != "  "
+
+
+def test_missing_nodes_are_named_by_host_or_by_number() -> None:
+    records = [node(0, host="n0.cluster.local"), node(1)]
+    verdict = judge(records, expected_hosts=["n0", "node1", "node2"], expected_nodes=3)
+    assert [v.host for v in verdict.named] == ["node2"]  # n0 is n0.cluster.local; node #2 is node2
+    verdict = judge(records, expected_nodes=3)
+    assert [(v.host, v.status) for v in verdict.named] == [("node #2", NO_RESULT)]
+    verdict.failed = True
+    assert judge(records).exit_code == 0 and verdict.exit_code == 1

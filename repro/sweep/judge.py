@@ -453,10 +453,12 @@ def judge(
         )
         for i, rec in enumerate(records)
     ]
-    seen = set(hosts)
+    seen = set(hosts) | {h.split(".")[0] for h in hosts}  # (Slurm lists short names; hosts may be FQDNs)
+    missing = 0
     for host in expected_hosts:
         if host not in seen:
             seen.add(host)
+            missing += 1
             verdicts.append(
                 NodeVerdict(
                     host,
@@ -473,7 +475,7 @@ def judge(
             )
     numbers = {int(r.get("node", -1)) for r in records}
     unnamed = [k for k in range(expected_nodes) if k not in numbers]
-    if len(unnamed) > len([h for h in expected_hosts if h not in hosts]):
+    if len(unnamed) > missing:  # (an expected host already names each missing node)
         for k in unnamed:
             verdicts.append(
                 NodeVerdict(

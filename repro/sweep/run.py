@@ -84,11 +84,17 @@ def check_output(options: SweepOptions) -> Path:
 
 
 def _backend(options: SweepOptions) -> str:
-    if options.backend != "auto":
-        return options.backend
+    """``nccl`` with CUDA GPUs (and no machine file), else ``gloo``; ``--backend nccl``
+    without a CUDA GPU cannot run here (exit 3)."""
+    from gpudiag.errors import CannotRunHere
     from gpudiag.hw.cuda import cuda_device_count
 
-    return "nccl" if options.machine is None and cuda_device_count() > 0 else "gloo"
+    gpus = cuda_device_count()
+    if options.backend == "nccl" and gpus < 1:
+        raise CannotRunHere("--backend nccl needs a CUDA GPU on every node; none here (gloo runs on CPUs)")
+    if options.backend != "auto":
+        return options.backend
+    return "nccl" if options.machine is None and gpus > 0 else "gloo"
 
 
 def _pin_settings(backend: str, scratch: Path) -> dict[str, str]:
