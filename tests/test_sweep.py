@@ -249,3 +249,22 @@ def test_missing_nodes_are_named_by_host_or_by_number() -> None:
     assert [(v.host, v.status) for v in verdict.named] == [("node #2", NO_RESULT)]
     verdict.failed = True
     assert judge(records).exit_code == 0 and verdict.exit_code == 1
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_bad_usage_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    runner = CliRunner()
+    for args, message in (
+        (["--expect-hosts", "node[1-"], "unbalanced"),
+        (["-o", str(tmp_path / "taken")], "exists; pass --force"),
+        (["--inject-stall", "nope"], "expected one of"),
+        (["--rules", str(tmp_path / "none.json")], "cannot read it"),
+        (["--inject", "0->1:melt"], "--inject"),
+    ):
+        result = runner.invoke(cli, ["sweep", "-o", str(tmp_path / "out"), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    nccl = runner.invoke(cli, ["sweep", "-o", str(tmp_path / "out"), "--backend", "nccl"])
+    assert nccl.exit_code == 3 and "needs a CUDA GPU" in nccl.stderr
