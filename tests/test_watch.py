@@ -238,7 +238,7 @@ def test_callable_module_and_lazy_export() -> None:
 
 
 def _ddp_rank(
-    rank: int, world: int, mode: str, bad_rank: int, bad_step: int, folder: str, accumulate: int
+    rank: int, world: int, mode: str, bad_rank: int, bad_step: int, folder: str, accumulate: int, hook: bool
 ) -> bytes:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -247,7 +247,7 @@ def _ddp_rank(
     ddp = DistributedDataParallel(net)
     if bad_rank >= 0:
         poison(net.body[2].lin, lambda: rank == bad_rank and watcher.step == bad_step)
-    watcher = gpudiag.watch(ddp, mode, record_dir=folder)
+    watcher = gpudiag.watch(ddp, mode, record_dir=folder, comm_hook=hook)
     g = torch.Generator().manual_seed(10 + rank)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     error = None
@@ -269,13 +269,16 @@ def _ddp_rank(
     return json.dumps({"report": report, "error": error, "steps": watcher.step}).encode()
 
 
-def _ddp(mode: str, bad_rank: int, bad_step: int, folder: Path, accumulate: int = 1) -> list[dict[str, Any]]:
-    args = (mode, bad_rank, bad_step, str(folder), accumulate)
+def _ddp(
+    mode: str, bad_rank: int, bad_step: int, folder: Path, accumulate: int = 1, hook: bool = True
+) -> list[dict[str, Any]]:
+    args = (mode, bad_rank, bad_step, str(folder), accumulate, hook)
     return [json.loads(bytes(b)) for b in launch(_ddp_rank, 2, args=args, timeout=120, method="fork")]
 
 
-def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path) -> None:
-    results = _ddp("raise", 1, 3, tmp_path)
+@pytest.mark.parametrize("hook", [True, False], ids=["bucket-hook", "builtin-allreduce"])
+def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path, hook: bool) -> None:
+    results = _ddp("raise", 1, 3, tmp_path, hook=hook)
     for rank, result in enumerate(results):
         error = result["error"]
         assert error is not None, f"rank {rank} did not raise"
@@ -291,12 +294,13 @@ def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path) -> None:
     assert sorted(read_records(tmp_path)) == ["watch-rank0.json", "watch-rank1.json"]
 
 
-def test_ddp_clean_run_and_no_sync_accumulation(tmp_path: Path) -> None:
-    clean = _ddp("raise", -1, 0, tmp_path, accumulate=2)
+@pytest.mark.parametrize("hook", [True, False], ids=["bucket-hook", "builtin-allreduce"])
+def test_ddp_clean_run_and_no_sync_accumulation(tmp_path: Path, hook: bool) -> None:
+    clean = _ddp("raise", -1, 0, tmp_path, accumulate=2, hook=hook)
     assert [r["report"] for r in clean] == [None, None] and [r["steps"] for r in clean] == [12, 12]
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
     # a NaN in a no_sync micro-step (step 4 of 12) is agreed on at the next synchronised one
-    results = _ddp("record", 0, 4, tmp_path, accumulate=2)
+    results = _ddp("record", 0, 4, tmp_path, accumulate=2, hook=hook)
     for result in results:
         report = result["report"]
         assert (report["rank"], report["module"], report["step"]) == (0, "body.2.lin", 4)
@@ -323,7 +327,7 @@ def test_virtual_data_parallel_names_the_replica_and_the_transfer() -> None:
         2,
         "body.2.lin",
         "forward",
-        "GPU6 (virtual)",
+        "virtual GPU6",
     )
     assert report.placement == "dp-virtual"
     assert report.transfer is not None
@@ -346,7 +350,7 @@ def test_virtual_data_parallel_names_a_corrupting_link() -> None:
     assert report is not None and report.phase == "transfer" and report.step == 2  # forward 3 = step 2
     assert report.transfer is not None and report.transfer.corrupted
     assert (report.transfer.src, report.transfer.dst) == ("GPU5", "GPU6")
-    assert report.device == "GPU6 (virtual)"
+    assert report.device == "virtual GPU6"
 
 
 def test_real_data_parallel_without_gpus_is_the_module_itself(no_gpu: None) -> None:
@@ -432,3 +436,30 @@ def test_forwards_without_backward_are_let_go() -> None:
         x = torch.randn(2, 8)
         (net(x).sum() + net(x).sum()).backward()  # two forwards, one backward
         assert watcher.step == 1 and watcher.report is None
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["bucket-hook", "builtin-allreduce"])
+def test_ddp_backward_fault_on_one_rank(tmp_path: Path, hook: bool) -> None:
+    def rank_fn(rank: int, world: int) -> bytes:
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        net = Net()
+        poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
+        ddp = DistributedDataParallel(net)
+        watcher = gpudiag.watch(ddp, "record", record_dir=False, comm_hook=hook)
+        for _ in range(4):
+            ddp(torch.randn(4, 8)).pow(2).mean().backward()
+            net.zero_grad()
+        assert watcher.report is not None
+        return json.dumps(watcher.report.to_json()).encode()
+
+    for rank, raw in enumerate(launch(rank_fn, 2, timeout=120, method="fork")):
+        report = json.loads(bytes(raw))
+        assert (report["rank"], report["module"], report["step"], report["phase"]) == (
+            0,
+            "body.2.lin",
+            2,
+            "backward",
+        )
+        assert report["arrived"] is (rank == 1)

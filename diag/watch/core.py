@@ -143,6 +143,7 @@ class Watcher:
         root: nn.Module | None = None,
         record_dir: str | Path | bool | None = None,
         localize: bool = True,
+        comm_hook: bool = True,
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
@@ -221,7 +222,8 @@ class Watcher:
             for path, module in self.inner.named_modules():
                 self._handles.append(module.register_forward_hook(self._module_hook(path)))
         self._comm: _CommState | None = None
-        if self.ddp is not None:
+        self._param_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's sum)
+        if self.ddp is not None and comm_hook:
             state = HookState(self.group_rank, self.world)
             state.on_bucket = self._on_bucket
             self._comm = _CommState(state, self.group, weakref.ref(self))
@@ -231,8 +233,12 @@ class Watcher:
                 self.close()
                 raise InputError(
                     "gpudiag.watch registers a DDP communication hook, and this model has one already "
-                    f"({exc}); watch the model before registering yours, or without it"
+                    f"({exc}); watch the model before registering yours, or pass comm_hook=False"
                 ) from exc
+        elif self.ddp is not None:  # DDP's own C++ all-reduce; each gradient watched as it arrives
+            for p in self.inner.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(self._param_hook(p)))
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -295,6 +301,15 @@ class Watcher:
     def _end_of_backward(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
 
+    def _param_hook(self, param: torch.Tensor) -> Any:
+        sums = self._param_sums
+
+        def hook(grad: torch.Tensor) -> None:
+            if not self.done:
+                sums.append((param, grad.detach().sum(dtype=torch.float32).reshape(1)))
+
+        return hook
+
     def _on_bucket(self, bucket: dist.GradBucket, before: torch.Tensor) -> None:
         """Before the all-reduce: on the CPU the bucket's norm is on the host already, so
         a non-finite bucket's parameters are named now; on CUDA each gradient's norm is
@@ -322,6 +337,8 @@ class Watcher:
         if self.done or self.closed:
             return
         synced, self._synced = self._synced, False
+        if self.ddp is not None and self._comm is None:
+            synced = bool(self._param_sums) and self.ddp.require_backward_grad_sync
         pending = self._comm.hook.pending if self._comm is not None else []
         if self._comm is not None:
             self._comm.hook.pending = []
@@ -329,8 +346,12 @@ class Watcher:
             return
         self._dirty = False
         try:
-            if self.ddp is not None and synced:
-                self._check_synced(pending)
+            if self.ddp is not None and synced and self._comm is not None:
+                befores = [p.before[:1] for p in pending]
+                self._check_synced(befores, [p.result for p in pending if p.result is not None])
+            elif self.ddp is not None and synced:
+                befores = [w for _, w in self._param_sums]
+                self._check_synced(befores, [p.grad for p in self.inner.parameters() if p.grad is not None])
             else:
                 self._check_local()
         finally:
@@ -341,6 +362,7 @@ class Watcher:
             self._out_grads.clear()
             self._bad_params.clear()
             self._bucket_norms.clear()
+            self._param_sums.clear()
             self.step += 1
 
     def _check_local(self) -> None:
@@ -361,18 +383,17 @@ class Watcher:
         if local is not None:
             self._conclude(local, [], [])
 
-    def _check_synced(self, pending: list[Any]) -> None:
-        """DDP: local witnesses, what came back from the all-reduce, and the agreement word."""
+    def _check_synced(self, befores: list[torch.Tensor], results: list[torch.Tensor]) -> None:
+        """DDP: local witnesses (``befores``: one value per bucket or gradient before the
+        all-reduce), what came back from it (``results``), and the agreement word."""
         outs = [w for w, _, _ in self._outputs]
-        befores = [p.before for p in pending]
-        results = [p.result for p in pending if p.result is not None]
         device = results[0].device if results else self.device
         if results and results[0].is_cuda:
             after = [n.reshape(()) for n in torch._foreach_norm(results)]
         else:
             after = [norm_and_nonfinite(r)[0] for r in results]
         local_parts = [w.to(device).reshape(-1) for w in [*outs, *self._out_grads]]
-        local_parts += [b[:1].to(device) for b in befores]
+        local_parts += [b.to(device).reshape(-1) for b in befores]
         words = torch.full((2 * self.world,), _INF, dtype=torch.float32, device=device)
         prior = float(self._local.step) if self._local is not None else _INF
         if local_parts:
@@ -395,7 +416,8 @@ class Watcher:
         out_grads = flat[n_out : n_out + n_grad]
         local = self._local
         if local is None and math.isfinite(firsts[self.group_rank]):
-            local = self._diagnose(fwd, out_grads, self._synced_bad_grads(befores))
+            seen = flat[n_out + n_grad : n_out + n_grad + len(befores)]
+            local = self._diagnose(fwd, out_grads, self._synced_bad_grads(seen))
         got: _Local | None = None
         if math.isfinite(received[self.group_rank]):
             got = self._received(results)
@@ -415,8 +437,12 @@ class Watcher:
             also = [d["rank"] for d in receivers if d is not first]
             self._conclude(_Local(**first), also, [dict(v) for v in views])
 
-    def _synced_bad_grads(self, befores: list[torch.Tensor]) -> list[tuple[Any, int]]:
+    def _synced_bad_grads(self, befores: list[float]) -> list[tuple[Any, int]]:
         """The parameters whose own (pre-all-reduce) gradients were non-finite."""
+        if self._param_sums:  # no comm hook: each gradient's sum as it arrived
+            return [
+                (p, -1) for (p, _), v in zip(self._param_sums, befores, strict=True) if not math.isfinite(v)
+            ]
         if self._bucket_norms:  # CUDA: the kept per-gradient norms, read now
             out = []
             for params, norms in self._bucket_norms:
@@ -469,13 +495,13 @@ class Watcher:
 
     def _device_label(self, seen: _Seen | None = None) -> str:
         if seen is not None and seen.replica is not None and self.vdp is not None:
-            return f"GPU{seen.replica} (virtual)"
+            return f"virtual GPU{seen.replica}"
         if seen is not None:
             t = next(_tensors(seen.output), None)
             if t is not None:
                 return str(t.device)
         if self.vdp is not None:
-            return f"GPU{self.vdp.transport.devices.ids[0]} (virtual)"
+            return f"virtual GPU{self.vdp.transport.devices.ids[0]}"
         return str(self.device)
 
     def _local_at(
@@ -593,7 +619,7 @@ class Watcher:
                     self.step,
                     "transfer",
                     t.name if t.name not in ("input", "output") else f"<{t.name}>",
-                    f"GPU{t.dst} (virtual)",
+                    f"virtual GPU{t.dst}",
                     f"{t.nonfinite} value(s) arrived non-finite on GPU{t.dst} from GPU{t.src} although "
                     f"they were finite when sent ({t.phase})",
                     self.rank,
@@ -744,6 +770,7 @@ def watch(
     root: nn.Module | None = None,
     record_dir: str | Path | bool | None = None,
     localize: bool = True,
+    comm_hook: bool = True,
 ) -> Watcher:
     """Watch ``model`` (a module, ``DistributedDataParallel``, ``nn.DataParallel``,
     ``VirtualDataParallel`` or ``torch.compile``\\ d) for the first non-finite value.
@@ -756,6 +783,16 @@ def watch(
     wrappers). ``record_dir``: where ``watch-rank<R>.json`` goes on a fault (default
     ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``; False: none). ``localize=False`` keeps
     no module outputs (less memory; a forward fault is named at the model's output).
+    ``comm_hook=False`` (DDP): leave DDP's own C++ all-reduce alone and watch each
+    parameter's gradient as it arrives instead of each bucket (see docs/watch.md: cost).
 
     Create it after wrapping the model in DDP and before the first backward."""
-    return Watcher(model, on_nonfinite, scaler=scaler, root=root, record_dir=record_dir, localize=localize)
+    return Watcher(
+        model,
+        on_nonfinite,
+        scaler=scaler,
+        root=root,
+        record_dir=record_dir,
+        localize=localize,
+        comm_hook=comm_hook,
+    )
