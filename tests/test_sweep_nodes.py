@@ -13,6 +13,7 @@ import pytest
 
 from gpudiag.repro.sweep.rehearse import Node, rehearse
 
+SECRET = "wandb-0123456789abcdef0123456789abcdef"
 SEED = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
 #: CPU figures on a shared 2-core machine vary several-fold between processes; the
 #: rehearsed slow node is ~20× slower, so the tests judge with wide margins.
@@ -58,20 +59,23 @@ def run_nodes(tmp_path: Path, nodes: list[Node], *common: str, deadline: float =
     }
 
 
-def test_two_nodes_name_the_corrupting_node_and_the_host_that_never_started(tmp_path: Path) -> None:
+def test_two_nodes_name_the_corrupting_node_and_the_host_that_never_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_HUB_TOKEN", SECRET)  # the nodes' bundles must not carry it
     m = machine(tmp_path)
     out = run_nodes(
         tmp_path,
         [Node("node0", m), Node("node1", m, ["--inject", "*->*:bitflip"])],
         "--checks",
-        "env,topology,peer",
+        "env,topology",
         "--expect-hosts",
         "node[0-2]",
     )
     assert out["rank0"].returncode == 1, out["rank0"].output[-3000:]
     named = out["named"]
     assert set(named) == {"node1", "node2"}, out["summary"]
-    assert {"node-check-failed", "node-allreduce-wrong", "node-link-corrupt"} <= set(named["node1"])
+    assert set(named["node1"]) == {"node-allreduce-wrong", "node-link-corrupt"}
     assert named["node2"] == ["node-missing"]
     assert [r["host"] for r in out["records"]] == ["node0", "node1"]
     assert all(r["simulated"] for r in out["records"]) and "simulated" in out["summary"]
@@ -80,6 +84,24 @@ def test_two_nodes_name_the_corrupting_node_and_the_host_that_never_started(tmp_
         names = bundle.namelist()
         assert "report.json" in names and "sweep/node.json" in names
         assert json.loads(bundle.read("sweep/node.json"))["host"] == "node1"
+        assert "TORCH_HUB_TOKEN" in bundle.read("report.json").decode()  # (named, value redacted)
+    for path in (tmp_path / "sweep").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            if path.suffix == ".zip":
+                with zipfile.ZipFile(path) as bundle:
+                    data = b"".join(bundle.read(name) for name in bundle.namelist())
+            assert SECRET.encode() not in data, path
+
+
+@pytest.mark.slow
+def test_the_node_s_own_checks_see_its_injected_link_fault(tmp_path: Path) -> None:
+    m = machine(tmp_path)
+    out = run_nodes(tmp_path, [Node("node0", m), Node("node1", m, ["--inject", "0->1:nan"])])
+    assert set(out["named"]) == {"node1"}, out["summary"]
+    failed = [p for p in out["verdict"].named[0].problems if p.code == "node-check-failed"]
+    assert {p.message.split()[0] for p in failed} == {"peer", "nancheck"}
+    assert "link-corruption" in " ".join(str(p.measured) for p in failed)
 
 
 @pytest.mark.slow
