@@ -17,7 +17,7 @@ from typing import Any
 try:
     from pytorch_lightning import Callback
 except ImportError:  # the unified package
-    from lightning.pytorch import Callback  # type: ignore[no-redef]
+    from lightning.pytorch import Callback
 
 
 class WatchCallback(Callback):
