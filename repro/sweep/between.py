@@ -99,6 +99,13 @@ class Between:
             torch.cuda.set_device(self.device)
         self.progress = Progress(dist, ident.rank, ident.world)
         self.deadline = datetime.timedelta(seconds=options.phase_timeout)
+        #: Python objects (records, rounds, bundles) travel over gloo: under NCCL a side
+        #: group on the CPU (as torch's monitored_barrier does), so they neither occupy the
+        #: GPUs nor meet NCCL's watchdog, which tears the process down on a timeout.
+        self.objects: Any = None
+        if backend == "nccl":
+            with self.collective("new-group-gloo"):
+                self.objects = dist.new_group(backend="gloo", timeout=self.deadline)
 
     @contextlib.contextmanager
     def collective(self, name: str) -> Iterator[None]:
@@ -116,6 +123,13 @@ class Between:
             ) from None
         self.progress.mark("out", name)
 
+    def gather_to_first(self, name: str, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on rank 0 (``gather_object``); the other ranks get []."""
+        out: list[Any] = [None] * self.ident.world
+        with self.collective(name):
+            self.dist.gather_object(obj, out if self.ident.rank == 0 else None, dst=0, group=self.objects)
+        return out if self.ident.rank == 0 else []
+
     def wait(self, work: Any) -> None:
         if not work.wait(timeout=self.deadline):
             raise RuntimeError(f"no answer within {self.options.phase_timeout:g} s")
@@ -123,7 +137,7 @@ class Between:
     def all_gather(self, name: str, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.ident.world
         with self.collective(name):
-            self.dist.all_gather_object(out, obj)
+            self.dist.all_gather_object(out, obj, group=self.objects)
         return out
 
     def allreduce_all(self, faults: Any) -> dict[str, Any]:

@@ -206,9 +206,7 @@ def _between(
             if local is not None:
                 files = _node_files(out, ident, scratch)
                 payload = (ident.host, _bundle_bytes(local.report, files, options.anonymize))
-            gathered: list[Any] = [None] * world
-            with b.collective("gather-bundles"):
-                b.dist.gather_object(payload, gathered if rank == 0 else None, dst=0)
+            gathered = b.gather_to_first("gather-bundles", payload)
             out.bundles = {host: data for host, data in (g for g in gathered if g is not None)}
         except CollectiveHung as exc:
             out.failure = exc
@@ -217,7 +215,10 @@ def _between(
         return b""
 
     try:
-        launch(rank_fn, ident.world, backend=backend, timeout=options.phase_timeout)
+        # (under NCCL the group's own timeout, at which its watchdog ends the process, is
+        # twice the collectives' deadline: rank 0 names the hung rank and writes first)
+        timeout = options.phase_timeout * (2 if backend == "nccl" else 1)
+        launch(rank_fn, ident.world, backend=backend, timeout=timeout)
     except (CollectiveHung, RankFailure, RuntimeError) as exc:  # (joining the group timed out)
         if out.failure is None:
             out.failure = exc
