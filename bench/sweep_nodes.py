@@ -4,15 +4,16 @@ GPUDIAG_HOSTNAME), with the issue's scenarios planted:
 
 - node2: a link fault (``--inject '*->*:bitflip'``: what it receives is corrupted, in its
   own peer/nancheck and between nodes);
-- node4: made slow (``--inject-delay 0.1``: 0.1 s before each of its transfers);
+- node4: made slow (``--inject-delay 0.5``: 0.5 s before each of its transfers);
 - node6: a different machine file (every GPU pair over SYS instead of NV4);
 - node8: expected (``--expect-hosts node[0-8]``) but never started.
 
     .venv/bin/python bench/sweep_nodes.py [--nodes 8] [--keep FOLDER] [--checks LIST]
 
-Everything is simulated (CPU virtual devices). CPU figures on a shared machine swing
-several-fold between processes, so the rules file used here judges a figure low below
-0.15 × the median of the other nodes (the default, for GPUs, is 0.8). Prints SUMMARY.md,
+Everything is simulated (CPU virtual devices). CPU figures on a shared machine swing up
+to fivefold between processes, so the rules file used here judges a figure low below
+0.05 × the median of the other nodes (the default, for GPUs, is 0.8); the slow node is
+~100× slower. Prints SUMMARY.md,
 the wall time and, as its last line, how many planted culprits were named with the right
 code and how many nodes were named wrongly.
 """
@@ -35,10 +36,10 @@ from gpudiag.repro.sweep.run import rejudge
 SEED = Path(__file__).resolve().parent.parent / "diag" / "examples" / "seed_8gpu_machine.json"
 RULES = {
     "figures": {
-        "intra_busbw_gbps": {"min_fraction_of_median": 0.15},
-        "pair_busbw_gbps": {"min_fraction_of_median": 0.15},
+        "intra_busbw_gbps": {"min_fraction_of_median": 0.05},
+        "pair_busbw_gbps": {"min_fraction_of_median": 0.05},
     },
-    "pair_slow_fraction": 0.15,
+    "pair_slow_fraction": 0.05,
 }
 #: host → a code its verdict must carry.
 EXPECTED = {
@@ -71,7 +72,7 @@ def main() -> None:
         normal, other = machine(folder, "NV4"), machine(folder, "SYS")
         extra = {
             "node2": ["--inject", "*->*:bitflip"],
-            "node4": ["--inject-delay", "0.1"],
+            "node4": ["--inject-delay", "0.5"],
         }
         nodes = [
             Node(f"node{i}", other if i == 6 else normal, extra.get(f"node{i}", []))

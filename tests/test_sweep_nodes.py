@@ -15,14 +15,15 @@ from gpudiag.repro.sweep.rehearse import Node, rehearse
 
 SECRET = "wandb-0123456789abcdef0123456789abcdef"
 SEED = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
-#: CPU figures on a shared 2-core machine vary several-fold between processes; the
-#: rehearsed slow node is ~20× slower, so the tests judge with wide margins.
+#: CPU figures on a shared 2-core machine vary up to fivefold between processes (measured:
+#: 0.097 against a median of 0.476 GB/s, a healthy node); the rehearsed slow node (0.5 s
+#: before each transfer) is ~100× slower, so the tests judge figures low below 0.05 ×.
 LOOSE = {
     "figures": {
-        "intra_busbw_gbps": {"min_fraction_of_median": 0.25},
-        "pair_busbw_gbps": {"min_fraction_of_median": 0.25},
+        "intra_busbw_gbps": {"min_fraction_of_median": 0.05},
+        "pair_busbw_gbps": {"min_fraction_of_median": 0.05},
     },
-    "pair_slow_fraction": 0.25,
+    "pair_slow_fraction": 0.05,
 }
 
 
@@ -119,7 +120,7 @@ def test_slow_node_and_different_machine_file_are_named(tmp_path: Path) -> None:
     m, other = machine(tmp_path), machine(tmp_path, 2, "SYS")
     nodes = [
         Node("node0", m),
-        Node("node1", m, ["--inject-delay", "0.1"]),
+        Node("node1", m, ["--inject-delay", "0.5"]),
         Node("node2", other),
         Node("node3", m),
     ]
