@@ -268,3 +268,18 @@ def test_bad_usage_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -
     assert not (tmp_path / "out").exists()
     nccl = runner.invoke(cli, ["sweep", "-o", str(tmp_path / "out"), "--backend", "nccl"])
     assert nccl.exit_code == 3 and "needs a CUDA GPU" in nccl.stderr
+
+
+def test_host_facts_that_differ_from_the_majority_are_named() -> None:
+    facts = {"iommu": "off", "acs_redirect": False, "nccl_env": {"NCCL_ALGO": "Ring"}}
+    records = [node(i, host_facts=facts) for i in range(5)]
+    records[1] = node(1, host_facts={**facts, "nccl_env": {"NCCL_ALGO": "Ring", "NCCL_P2P_DISABLE": "1"}})
+    records[3] = node(3, host_facts={**facts, "iommu": "translated"})
+    records[4] = node(4, host_facts=None)  # env did not run there: nothing to compare
+    verdict = judge(records)
+    assert {v.host: codes(verdict, v.host) for v in verdict.named} == {
+        "node1": ["node-host-differs"],
+        "node3": ["node-host-differs"],
+    }
+    assert verdict.majority["host.nccl_env"] == {"NCCL_ALGO": "Ring"}
+    assert judge(records, rules=check_rules({"host": []})).exit_code == 0

@@ -20,6 +20,7 @@ of expected figures per machine type is given):
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -388,6 +389,23 @@ def judge(
                         f"topology differs from the majority's ({count} of {len(records)} nodes)",
                         value,
                         digest,
+                    )
+                )
+    for key in rules.get("host", []):
+        facts = [(rec.get("host_facts") or {}).get(key) for rec in records]
+        keyed = [None if f is None else json.dumps(f, sort_keys=True) for f in facts]
+        value, count = _majority(text for text in keyed if text is not None)
+        majority[f"host.{key}"] = None if value is None else json.loads(value)
+        if value is None or count * 2 <= sum(text is not None for text in keyed):
+            continue
+        for i, text in enumerate(keyed):
+            if text is not None and text != value:
+                problems[i].append(
+                    Problem(
+                        "node-host-differs",
+                        f"host fact {key} differs from the majority's",
+                        json.loads(value),
+                        facts[i],
                     )
                 )
     if rules.get("gpus_must_match", True):

@@ -202,7 +202,16 @@ def local_phase(options: SweepOptions, ident: Identity, backend: str) -> Local:
 
             topology = read_topology()
     env = next((c.result for c in report.checks if c.name == "env" and c.result), None) or {}
-    versions = dict(env.get("sections", {}).get("versions", {}))
+    sections = env.get("sections", {})
+    versions = dict(sections.get("versions", {}))
+    iommu = sections.get("iommu") or {}
+    host_facts = {  # what differs between nodes of one fleet and matters to collectives
+        "iommu": iommu.get("mode"),
+        "acs_redirect": bool(iommu.get("acs_redirect")) if "acs_redirect" in iommu else None,
+        "nccl_env": {
+            k: v for k, v in sorted((sections.get("variables") or {}).items()) if k.startswith("NCCL_")
+        },
+    }
     names = sorted({str(g.name) for g in topology.gpus.values() if g.name}) if topology is not None else []
     virtual = here.machine is not None or local_backend == "gloo"
     kind = names[0] if len(names) == 1 else ("mixed GPUs" if names else "GPU")
@@ -219,6 +228,7 @@ def local_phase(options: SweepOptions, ident: Identity, backend: str) -> Local:
         "versions": {
             k: versions.get(k) for k in ("nvidia_driver", "cuda_runtime", "nccl_runtime", "torch", "gpudiag")
         },
+        "host_facts": host_facts if env else None,
         "checks": [
             {
                 "name": c.name,

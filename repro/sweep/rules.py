@@ -13,6 +13,9 @@ Rules (``gpudiag.sweep-rules/1``; every key optional, missing keys take the defa
   the *other* nodes is an outlier (``node-figure-low``);
 - ``min_nodes``: fewer nodes with a figure than this and no outlier is judged for it;
 - ``versions``: the version fields that must match the majority (``node-version-differs``);
+- ``host``: the host facts that must match the majority (``node-host-differs``): ``iommu``
+  (the IOMMU mode), ``acs_redirect`` (PCIe ACS redirecting peer traffic), ``nccl_env``
+  (the ``NCCL_*`` variables set, with their values);
 - ``topology_must_match``, ``gpus_must_match``: a topology different from the majority's
   (``node-topology-differs``), fewer GPUs than the most common count (``node-fewer-gpus``);
 - ``pair_slow_fraction``: in the pairwise link test a pair below this fraction of the
@@ -38,6 +41,9 @@ BASELINE_SCHEMA = "gpudiag.sweep-baseline/1"
 #: The figures a node record carries, in GB/s (10^9 bytes per second), higher is better.
 FIGURES = ("intra_busbw_gbps", "pair_busbw_gbps")
 VERSION_FIELDS = ("nvidia_driver", "cuda_runtime", "nccl_runtime", "torch", "gpudiag")
+#: Host facts (from ``gpudiag env``) that must match the majority: the IOMMU mode, whether
+#: PCIe ACS redirects peer traffic, the NCCL_* variables set.
+HOST_FIELDS = ("iommu", "acs_redirect", "nccl_env")
 
 DEFAULT_RULES: dict[str, Any] = {
     "schema": RULES_SCHEMA,
@@ -46,6 +52,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "versions": list(VERSION_FIELDS),
     "topology_must_match": True,
     "gpus_must_match": True,
+    "host": list(HOST_FIELDS),
     "pair_slow_fraction": 0.8,
     "baseline_fraction": 0.8,
 }
@@ -83,11 +90,12 @@ def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 2:
             raise InputError(f"{name}: min_nodes: expected an integer ≥ 2, got {value!r}")
         rules["min_nodes"] = value
-    if "versions" in data:
-        versions = data["versions"]
-        if not isinstance(versions, list) or any(v not in VERSION_FIELDS for v in versions):
-            raise InputError(f"{name}: versions: expected a list drawn from {', '.join(VERSION_FIELDS)}")
-        rules["versions"] = list(versions)
+    for key, known in (("versions", VERSION_FIELDS), ("host", HOST_FIELDS)):
+        if key in data:
+            value = data[key]
+            if not isinstance(value, list) or any(v not in known for v in value):
+                raise InputError(f"{name}: {key}: expected a list drawn from {', '.join(known)}")
+            rules[key] = list(value)
     for key in ("topology_must_match", "gpus_must_match"):
         if key in data:
             if not isinstance(data[key], bool):
