@@ -41,7 +41,11 @@ class CollectiveHung(GpudiagError):
 class Progress:
     """Each rank's place among the sweep's collectives, kept in the group's store: before
     a collective ``"<seq> in <name>"``, after it ``"<seq> out <name>"``. When one times
-    out, :meth:`stuck` reads every rank's entry and names the ranks that are behind."""
+    out, :meth:`stuck` reads every rank's entry and names the ranks that are behind.
+
+    The store is the one the group was made with (``env://``'s TCPStore), reached through
+    torch's ``distributed_c10d._get_default_store`` — a private function (present in torch
+    2.15), so guarded: without it nothing is marked and a hang is reported unnamed."""
 
     def __init__(self, dist: Any, rank: int, world: int):
         self.rank, self.world, self.seq = rank, world, 0

@@ -21,10 +21,14 @@ node's *leader* and does the node's work, the others join the collectives):
    to rank 0 (``gather_object``); rank 0 judges and writes the sweep folder.
 
 Under NCCL the sweep pins ``NCCL_ALGO`` (default Ring) so figures compare, and turns on
-PyTorch's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
-``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) and ``TORCH_NCCL_NAN_CHECK``; dumps go into the node's
-bundle (``flight/``). On gloo (CPU) these are set and have no effect; sweep.json says so.
+PyTorch's flight recorder (``TORCH_FR_BUFFER_SIZE``, ``TORCH_FR_DUMP_ON_TIMEOUT``,
+``TORCH_FR_DUMP_TEMP_FILE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+``TORCH_NCCL_DUMP_ON_TIMEOUT``, ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` on a PyTorch that does
+not know those) and ``TORCH_NCCL_NAN_CHECK``; dumps go into the node's bundle
+(``flight/``). On gloo (CPU) these are set and have no effect; sweep.json says so.
 """
+
+from __future__ import annotations
 
 import contextlib
 import datetime
@@ -58,9 +62,9 @@ from gpudiag.repro.sweep.results import (
 from gpudiag.repro.sweep.rules import load_baseline, load_rules
 
 __all__ = ["LOCAL_CHECKS", "SweepOptions", "SweepRun", "rejudge", "sweep"]
-#: Settings the sweep turns on for its own collectives (unless already set).
-#: PyTorch 2.10 and later read the flight recorder's settings as ``TORCH_FR_*`` (the
-#: ``TORCH_NCCL_*`` names still work there, with a deprecation warning per process group).
+#: Settings the sweep turns on for its own collectives (unless already set). Newer
+#: PyTorch reads the flight recorder's settings as ``TORCH_FR_*`` (the ``TORCH_NCCL_*``
+#: names still work there, with a deprecation warning per process group).
 FLIGHT_RECORDER_OLD = {
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -71,6 +75,17 @@ FLIGHT_RECORDER_NEW = {
     "TORCH_FR_DUMP_ON_TIMEOUT": "1",
     "TORCH_FR_DUMP_TEMP_FILE": "{scratch}/nccl_trace_rank_",
 }
+
+
+def _knows_fr_names() -> bool:
+    """Whether this PyTorch reads ``TORCH_FR_BUFFER_SIZE`` (its distributed_c10d names it:
+    2.15 does), so the sweep sets the names it reads without a deprecation warning."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        return "TORCH_FR_BUFFER_SIZE" in Path(c10d.__file__).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 def check_output(options: SweepOptions) -> Path:
@@ -100,10 +115,7 @@ def _backend(options: SweepOptions) -> str:
 def _pin_settings(backend: str, scratch: Path) -> dict[str, str]:
     """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set): before
     any process group exists, as PyTorch reads them when it creates one."""
-    import torch
-
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    recorder = FLIGHT_RECORDER_NEW if (major, minor) >= (2, 10) else FLIGHT_RECORDER_OLD
+    recorder = FLIGHT_RECORDER_NEW if _knows_fr_names() else FLIGHT_RECORDER_OLD
     wanted = {k: v.format(scratch=scratch) for k, v in recorder.items()}
     wanted.update({"TORCH_NCCL_NAN_CHECK": "1", "NCCL_ALGO": "Ring"})
     for key, value in wanted.items():
