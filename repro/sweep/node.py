@@ -126,6 +126,8 @@ def _busbw_rank(rank: int, world: int, nbytes: int, iters: int, delay: float, ba
     import torch.distributed as dist
 
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # (NCCL's barrier uses the current device)
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dist.all_reduce(buf)  # warm-up: connections, algorithm choice
     dist.barrier()
