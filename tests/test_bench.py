@@ -69,10 +69,13 @@ def test_ddp_exposed_allreduce_and_the_slowest_rank() -> None:
     ]
     rank1 = [*_step(1, 1.2, 1, forward=0.2, backward=0.6), Phase(1, "allreduce", 0.7, 0.8, 1)]
     timed = step_times("ddp", rank0 + rank1, warmup=0)
-    assert timed.steps == [1.2]  # the slowest rank
-    assert timed.phases["allreduce"] == pytest.approx((0.2 + 0.1) / 2)
-    assert timed.phases["backward"] == pytest.approx((0.4 + 0.5) / 2)
-    assert timed.allreduce_hidden == pytest.approx((0.2 + 0.0) / 2)
+    assert timed.steps == [1.2]  # the slowest rank, with its phases: they add up to its step
+    assert timed.phases["allreduce"] == pytest.approx(0.1)
+    assert timed.phases["backward"] == pytest.approx(0.5)
+    assert sum(timed.phases.values()) == pytest.approx(1.2)
+    assert timed.allreduce_hidden == pytest.approx(0.0)
+    fast = step_times("ddp", rank0, warmup=0)
+    assert fast.phases["allreduce"] == pytest.approx(0.2) and fast.allreduce_hidden == pytest.approx(0.2)
 
 
 def test_plan_states_both_batch_conventions() -> None:
@@ -191,10 +194,41 @@ def test_compare_files_round_trip_and_bad_input(tmp_path) -> None:  # type: igno
     out = runner.invoke(cli, ["bench", "--compare", str(a), str(b), "--format", "json"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.output)
-    assert doc["schema"] == "gpudiag.bench-compare/1" and doc["only_before"] == ["ddp ×2 fp32"]
+    assert doc["schema"] == "gpudiag.bench-compare/1" and doc["only_before"] == ["ddp ×2 fp32, batch 128"]
     text = runner.invoke(cli, ["bench", "--compare", str(a), str(b)])
     assert "beyond noise" in text.output and "\x1b[" not in text.output
     assert runner.invoke(cli, ["bench", "--compare", str(a), str(bad)]).exit_code == 2
+    assert runner.invoke(cli, ["bench", "--compare", str(a), str(b), "--model", "mlp"]).exit_code == 2
+
+
+def test_compare_names_what_makes_two_runs_differ_and_what_failed() -> None:
+    before, after = _result(_case(step=0.1), _case("ddp", 2, step=0.1)), _result(_case(step=0.1))
+    before.config, after.config = {"model": "mlp", "steps": 3}, {"model": "cnn", "steps": 3}
+    after.simulated = True
+    broken = _case("ddp", 2, step=0.1)
+    broken.error = "rank 1 crashed"
+    after.cases.append(broken)
+    got = compare(before, after)
+    assert got.differences == [
+        "model: 'mlp' → 'cnn'",
+        "before measured on GPUs, after simulated (CPU virtual devices)",
+    ]
+    assert got.failed == ["ddp ×2 fp32, batch 128 after: rank 1 crashed"] and got.only_before == []
+    text = io.StringIO()
+    render("bench", got, "text", text)
+    assert "the runs differ — model: 'mlp' → 'cnn'" in text.getvalue()
+
+
+def test_a_slowdown_beyond_the_noise_of_samples_per_s() -> None:
+    """A noisy run (p95 far above p50) that then slows down by far more than its spread:
+    samples/s is judged by the mean step, not by a relative spread that can exceed 100 %."""
+    noisy = _case(step=0.01)
+    noisy.steps = [0.01, 0.01, 0.01, 0.01, 0.03]  # spread 0.016 (160 % of p50)
+    slow = _case(step=0.05)
+    (case,) = compare(_result(noisy), _result(slow)).cases
+    by = {c.figure: c for c in case.changes}
+    assert by["samples_per_s"].relative == pytest.approx(0.014 / 0.05 - 1)
+    assert by["samples_per_s"].beyond_noise
 
 
 # --- runs through the runtime ---------------------------------------------------------------
@@ -322,15 +356,68 @@ def test_bench_with_a_loader_and_chosen_devices_on_a_machine() -> None:
     assert multiprocessing.active_children() == []
     text = io.StringIO()
     render("bench", result, "text", text)
-    assert "epoch = 1,000 samples" in text.getvalue() and "DataLoader with 1 worker" in text.getvalue()
+    assert (
+        "epoch = 1,000 samples" in text.getvalue() and "DataLoader, 1 worker per process" in text.getvalue()
+    )
 
 
 def test_devices_that_are_not_there_are_refused() -> None:
     args = ["bench", "--model", "mlp", "--machine", "seed_8gpu_machine.json", "--devices", "7,9"]
     got = CliRunner().invoke(cli, args)
     assert got.exit_code == 2 and "no 9 among the GPUs of the machine" in got.output
-    for bad in (["--devices", "0,0"], ["--devices", "a"], ["--data", "loader:x"], ["--epoch-samples", "0"]):
-        assert CliRunner().invoke(cli, ["bench", "--model", "mlp", *bad]).exit_code == 2
+    bad_values = (["--devices", "0,0"], ["--devices", "a"], ["--data", "loader:x"], ["--epoch-samples", "0"])
+    for bad in (*bad_values, ["--gpus", "0"], ["-o", ""], ["--devices", "7"]):  # no GPU, no --machine
+        got = CliRunner().invoke(cli, ["bench", "--model", "mlp", "--input-shape", "8", *bad])
+        assert got.exit_code == 2, (bad, got.output)
+    got = CliRunner().invoke(cli, ["bench", "--model", "mlp", "--gpus", "0"])
+    assert "bad GPU counts '0'" in got.output
+
+
+def test_nothing_to_measure_is_bad_usage_and_duplicates_count_once() -> None:
+    args = ["bench", "--model", "mlp", "--input-shape", "8", "--machine", "seed_8gpu_machine.json"]
+    got = CliRunner().invoke(cli, [*args, "--devices", "5", "--gpus", "2", "--strategies", "dp"])
+    assert got.exit_code == 2 and "nothing to measure: dp ×2 fp32: 2 devices asked for" in got.output
+    assert plan(["single", "single", "dp"], [2, 2], ["fp32", "fp32"], 4, "per_gpu") == [
+        ("single", 1, "fp32", 4),
+        ("dp", 2, "fp32", 8),
+    ]
+
+
+def test_a_model_that_raises_under_single_names_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Its second forward raises (the first is the warm-up step)."""
+    model = tmp_path / "third.py"
+    model.write_text(
+        "import torch\n"
+        "class Third(torch.nn.Linear):\n"
+        "    calls = 0\n"
+        "    def forward(self, x):\n"
+        "        Third.calls += 1\n"
+        "        if Third.calls == 2:\n"
+        "            raise IndexError('boom on the second call')\n"
+        "        return super().forward(x)\n"
+        "def factory():\n"
+        "    return Third(8, 10)\n"
+    )
+    args = ["bench", "--model", f"{model}:factory", "--input-shape", "8", "--strategies", "single"]
+    got = CliRunner().invoke(cli, [*args, "--steps", "2", "--warmup", "1"])
+    assert got.exit_code == 2, got.output
+    assert "the model under single raised IndexError: boom on the second call" in got.output
+
+
+def test_loader_workers_leave_stop_signals_to_the_trainer() -> None:
+    import signal
+
+    from gpudiag.checks.bench.data import LoaderData
+
+    loader = LoaderData(1, 2, 1, (4,), 3)(0, 1)
+    assert loader.worker_init_fn is not None
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        loader.worker_init_fn(0)
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
 
 
 def test_rank_figures_and_a_straggler() -> None:

@@ -2,9 +2,11 @@
 it exceeds the run-to-run spread (p95 − p50 of the step time) of either run.
 
 A time figure (step time, a phase) changed beyond noise when its change is larger than
-the larger of the two runs' spreads; samples/s when its relative change is larger than
-the larger relative spread (spread / p50). Cases are matched by strategy, GPUs, dtype and
-global batch.
+the larger of the two runs' spreads; samples/s when the mean step it comes from changed by
+more than that (its noise is shown relative to the mean step before). Cases are matched by
+strategy, GPUs, dtype and global batch. What makes two runs incomparable — another model,
+input, data, device kind, machine or batch convention; one simulated, one not — is listed
+first (``differences``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class BenchComparison:
     only_before: list[str] = field(default_factory=list)
     only_after: list[str] = field(default_factory=list)
     simulated: bool = False
+    #: how the two runs were set up differently (each "what: before → after")
+    differences: list[str] = field(default_factory=list)
+    #: cases measured before that failed after, and the other way round ("label: error")
+    failed: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:
         beyond = sum(ch.beyond_noise for c in self.cases for ch in c.changes)
@@ -84,6 +90,8 @@ class BenchComparison:
             ],
             "only_before": self.only_before,
             "only_after": self.only_after,
+            "differences": self.differences,
+            "failed": self.failed,
         }
 
 
@@ -94,13 +102,20 @@ def _key(case: Case) -> tuple[str, int, str, int]:
 def compare_cases(a: Case, b: Case) -> list[Change]:
     """The changes from ``a`` (before) to ``b`` (after)."""
     noise = max(a.spread, b.spread)
-    rel_noise = max(a.spread / a.p50 if a.p50 else 0.0, b.spread / b.p50 if b.p50 else 0.0)
     changes = [
         Change("step_p50_s", a.p50, b.p50, noise, abs(b.p50 - a.p50) > noise),
         Change("step_p95_s", a.p95, b.p95, noise, abs(b.p95 - a.p95) > noise),
     ]
-    rel = (b.samples_per_s - a.samples_per_s) / a.samples_per_s if a.samples_per_s else 0.0
-    changes.append(Change("samples_per_s", a.samples_per_s, b.samples_per_s, rel_noise, abs(rel) > rel_noise))
+    rel_noise = noise / a.step_time if a.step_time else 0.0
+    changes.append(
+        Change(
+            "samples_per_s",
+            a.samples_per_s,
+            b.samples_per_s,
+            rel_noise,
+            abs(b.step_time - a.step_time) > noise,
+        )
+    )
     for name in PHASES:
         x, y = a.phases.get(name, 0.0), b.phases.get(name, 0.0)
         if x or y:
@@ -113,15 +128,40 @@ def compare(
 ) -> BenchComparison:
     a = {_key(c): c for c in before.cases if c.error is None and c.steps}
     b = {_key(c): c for c in after.cases if c.error is None and c.steps}
+    failed = [
+        f"{c.label}, batch {c.batch} {when}: {c.error}"
+        for when, result, other in (("before", before, b), ("after", after, a))
+        for c in result.cases
+        if c.error is not None and _key(c) in other
+    ]
+    broken = {_key(c) for c in [*before.cases, *after.cases] if c.error is not None}
     common = [k for k in a if k in b]
     return BenchComparison(
         names[0],
         names[1],
         [CaseChange(a[k].label, a[k].batch, compare_cases(a[k], b[k])) for k in common],
-        only_before=[a[k].label for k in a if k not in b],
-        only_after=[b[k].label for k in b if k not in a],
+        only_before=[f"{a[k].label}, batch {a[k].batch}" for k in a if k not in b and k not in broken],
+        only_after=[f"{b[k].label}, batch {b[k].batch}" for k in b if k not in a and k not in broken],
         simulated=before.simulated or after.simulated,
+        differences=_differences(before, after),
+        failed=failed,
     )
+
+
+#: Settings that make two runs measure different things.
+_SETTINGS = ("model", "input_shape", "data", "devices", "machine", "convention", "steps", "warmup")
+
+
+def _differences(before: BenchResult, after: BenchResult) -> list[str]:
+    out = [
+        f"{key}: {before.config.get(key)!r} → {after.config.get(key)!r}"
+        for key in _SETTINGS
+        if before.config.get(key) != after.config.get(key)
+    ]
+    if before.simulated != after.simulated:
+        state = {True: "simulated (CPU virtual devices)", False: "measured on GPUs"}
+        out.append(f"before {state[before.simulated]}, after {state[after.simulated]}")
+    return out
 
 
 def read_result(path: str) -> BenchResult:

@@ -129,4 +129,18 @@ class LoaderData:
             shuffle=False,
             num_workers=self.workers,
             pin_memory=self.pin_memory,
+            worker_init_fn=leave_signals_to_the_trainer if self.workers else None,
         )
+
+
+def leave_signals_to_the_trainer(_worker: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM: Ctrl-C and ``kill`` of the job reach
+    every process of its group, and the training process stops its workers itself (the
+    worker forked with gpudiag's handlers, which would raise in it, and a worker killed
+    first makes the loader fail with "worker exited unexpectedly" instead of the
+    interruption). A worker whose training process is gone leaves by itself (torch's
+    watchdog)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

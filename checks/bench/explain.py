@@ -35,17 +35,20 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
-def explain(cases: list[Case], cores: int, loader_workers: int | None = None) -> list[Finding]:
+def explain(
+    cases: list[Case], cores: int, loader_workers: int | None = None, cuda: bool = True
+) -> list[Finding]:
     """Findings for the measured ``cases`` (those without an error) on a host with
     ``cores`` CPU cores; ``loader_workers``: the DataLoader's workers per process
-    (``--data loader:N``; None for synthetic data)."""
+    (``--data loader:N``; None for synthetic data); ``cuda``: measured on CUDA GPUs (else
+    CPU virtual devices)."""
     ok = [c for c in cases if c.error is None and c.steps]
     found: list[Finding] = []
     for case in ok:
         found += _input_bound(case, loader_workers, cores) + _dp_overhead(case) + _memory_imbalance(case)
         found += _comm_exposed(case) + _poorly_connected(case) + _stragglers(case)
         found += _small_batch(case) + _oversubscribed(case, cores)
-    found += _amp_no_gain(ok)
+    found += _amp_no_gain(ok, cuda)
     return found
 
 
@@ -142,8 +145,8 @@ def _stragglers(case: Case) -> list[Finding]:
         waits = median(o.get("allreduce_s", 0.0) for o in ranks if o is not r)
         if others <= 0 or r["compute_s"] < STRAGGLER_RATIO * others:
             continue
-        if r.get("allreduce_s", 0.0) >= waits:
-            continue  # the others do not wait for it: noise, not a straggler
+        if waits - r.get("allreduce_s", 0.0) < 0.5 * (r["compute_s"] - others):
+            continue  # the others do not wait for it (about its extra time): noise, not a straggler
         where = f" on {r['host']}" if r.get("host") else ""
         found.append(
             Finding(
@@ -208,12 +211,30 @@ def _comm_exposed(case: Case) -> list[Finding]:
                 hidden_s=case.allreduce_hidden,
                 links=links,
             ),
-            cause="the gradients' all-reduce is slower than the backward it could overlap with: "
-            "a slow link (PCIe or across CPU sockets rather than NVLink), or too little compute per step",
+            cause=_comm_cause(links),
             fix="raise the per-GPU batch (more compute to hide it), use better-connected GPUs "
             "(gpudiag topology), or try gradient compression hooks (bf16_compress_hook)",
         )
     ]
+
+
+def _comm_cause(links: list[str]) -> str:
+    """Why an all-reduce shows, by the links between the GPUs used."""
+    slow = [link for link in links if not link.startswith("NV")]
+    if slow:
+        return (
+            f"the gradients' all-reduce is slower than the backward it could overlap with: the GPUs talk "
+            f"over {'/'.join(slow)} (PCIe, or across CPU sockets for NODE/SYS) rather than NVLink"
+        )
+    if links:
+        return (
+            "the gradients' all-reduce is slower than the backward it could overlap with, although the GPUs "
+            f"share {'/'.join(links)}: too little compute per step to hide it, or many small buckets"
+        )
+    return (
+        "the gradients' all-reduce is slower than the backward it could overlap with: a slow link (PCIe or "
+        "across CPU sockets rather than NVLink), or too little compute per step"
+    )
 
 
 def _small_batch(case: Case) -> list[Finding]:
@@ -241,11 +262,24 @@ def _small_batch(case: Case) -> list[Finding]:
 def _oversubscribed(case: Case, cores: int) -> list[Finding]:
     if len(case.threads) < 2 or sum(case.threads) <= cores:
         return []
+    if max(case.threads) == 1:  # one thread each already: more processes than cores
+        return [
+            Finding(
+                "cpu-oversubscribed",
+                "warning",
+                f"{case.label}: {len(case.threads)} processes of one compute thread each on {cores} CPU "
+                f"core{'s' if cores != 1 else ''}",
+                _evidence(case, processes=len(case.threads), threads=case.threads, cores=cores),
+                cause="there are more training processes than cores, so they take turns on the CPU "
+                "(on CPU virtual devices every rank is such a process)",
+                fix="run fewer processes per machine than it has cores, or measure on GPUs",
+            )
+        ]
     return [
         Finding(
             "cpu-oversubscribed",
             "warning",
-            f"{case.label}: {len(case.threads)} processes × {max(case.threads)} threads = "
+            f"{case.label}: {len(case.threads)} processes × {max(case.threads)} threads each = "
             f"{sum(case.threads)} compute threads on {cores} CPU cores",
             _evidence(case, processes=len(case.threads), threads=case.threads, cores=cores),
             cause="every rank's torch uses as many intra-op threads as the machine has cores, so the "
@@ -256,7 +290,7 @@ def _oversubscribed(case: Case, cores: int) -> list[Finding]:
     ]
 
 
-def _amp_no_gain(cases: list[Case]) -> list[Finding]:
+def _amp_no_gain(cases: list[Case], cuda: bool) -> list[Finding]:
     fp32 = {(c.strategy, c.gpus, c.batch): c for c in cases if c.dtype == "fp32"}
     found = []
     for case in cases:
@@ -277,7 +311,10 @@ def _amp_no_gain(cases: list[Case]) -> list[Finding]:
                 "small layers, a CPU, a GPU without tensor cores for the dtype, or time spent elsewhere "
                 "(data, communication, DataParallel's copies); fp16 also pays its loss scaling",
                 fix="keep fp32, or give the tensor cores work: larger batches and layer widths that are "
-                "multiples of 8; look at the phase breakdown for where the step goes",
+                "multiples of 8; look at the phase breakdown for where the step goes"
+                if cuda
+                else "measured on CPU virtual devices, which have no tensor cores: this says nothing about "
+                "mixed precision on a GPU; measure it there",
             )
         )
     return found

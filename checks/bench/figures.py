@@ -17,7 +17,8 @@ Per step, the phases the runtime times (``gpudiag.runtime.timing``) are folded i
 - ``other``: the rest of the step (zeroing gradients, fp16's unscale and overflow check,
   the loss read back).
 
-A ``ddp`` case's step time is the slowest rank's; its phases are the ranks' mean.
+A ``ddp`` case's step is, step by step, the slowest rank's — its time and its phases,
+so the phases add up to the step; each rank's own figures are :func:`rank_figures`.
 """
 
 from __future__ import annotations
@@ -111,10 +112,13 @@ def step_times(strategy: str, events: Iterable[Any], warmup: int) -> StepTimes:
     if not folded:
         return StepTimes([], {})
     count = min(len(f[0]) for f in folded)
-    steps = [max(f[0][i] for f in folded) for i in range(count)]
-    rows = [row for f in folded for row in f[1][:count]]
+    # Each step is its slowest process's (DDP: the rank the others waited for), phases included,
+    # so the phases add up to the step.
+    slowest = [max(folded, key=lambda f: f[0][i]) for i in range(count)]
+    steps = [f[0][i] for i, f in enumerate(slowest)]
+    rows = [f[1][i] for i, f in enumerate(slowest)]
     phases = {name: sum(r[name] for r in rows) / len(rows) for name in PHASES}
-    hidden = [h for f in folded for h in f[2][:count]]
+    hidden = [f[2][i] for i, f in enumerate(slowest) if i < len(f[2])]
     return StepTimes(steps, phases, sum(hidden) / len(hidden) if hidden else None)
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from gpudiag.errors import InputError, naming_model
+from gpudiag.errors import InputError, from_user_code, naming_model
 from gpudiag.progress import note
 from gpudiag.runtime.launch import torchrun_world
 from gpudiag.topology.model import Topology
@@ -37,13 +37,13 @@ def plan(
     strategies: Sequence[str], gpus: Sequence[int], dtypes: Sequence[str], batch_size: int, convention: str
 ) -> list[tuple[str, int, str, int]]:
     """The cases, in order: (strategy, GPUs, dtype, global batch); ``single`` runs once per
-    dtype on one device, the others once per GPU count."""
+    dtype on one device, the others once per GPU count. A value named twice counts once."""
     if convention not in CONVENTIONS:
         raise InputError(f"unknown batch convention {convention!r} (expected per_gpu or global)")
     cases = []
-    for dtype in dtypes:
-        for strategy in strategies:
-            for n in [1] if strategy == "single" else gpus:
+    for dtype in dict.fromkeys(dtypes):
+        for strategy in dict.fromkeys(strategies):
+            for n in [1] if strategy == "single" else dict.fromkeys(gpus):
                 batch = batch_size * n if convention == "per_gpu" else batch_size
                 if batch < n:
                     raise InputError(f"a global batch of {batch} cannot be split over {n} GPUs")
@@ -241,6 +241,8 @@ def bench(
                 case.error = str(exc)
                 cases.append(case)
                 continue
+            except (Exception, SystemExit) as exc:  # the user's model, in this process (single or dp)
+                raise from_user_code(exc, f"the model under {strategy}") from exc
             timed = step_times(strategy, result.recorder.phases, warmup)
             case.steps, case.phases, case.allreduce_hidden = timed.steps, timed.phases, timed.allreduce_hidden
             case.peak_memory = result.timing.get("peak_memory") if kind == "cuda" else None
@@ -248,6 +250,9 @@ def bench(
             if strategy == "ddp":
                 case.ranks = rank_figures(result.recorder.phases, warmup, result.timing.get("hosts", []))
             cases.append(case)
+    if not cases:
+        reasons = "; ".join(f"{s['case']}: {s['reason']}" for s in skipped)
+        raise InputError(f"nothing to measure: {reasons}")
     _speedups(cases)
     config_out = {
         "model": spec,
@@ -272,7 +277,7 @@ def bench(
     }
     return BenchResult(
         cases,
-        explain(cases, os.cpu_count() or 1, workers if data_kind == "loader" else None),
+        explain(cases, os.cpu_count() or 1, workers if data_kind == "loader" else None, cuda=kind == "cuda"),
         config_out,
         simulated=kind == "virtual",
         skipped=skipped,
@@ -291,9 +296,14 @@ def _local_ids(kind: str, available: list[int], world: int) -> list[int]:
 
 
 def _check_devices(kind: str, available: list[int], asked: Sequence[int]) -> None:
-    """``--devices`` must name distinct devices that exist (any on bare virtual devices)."""
+    """``--devices`` must name distinct GPUs that exist: CUDA GPUs, or a machine's."""
     if not asked or len(set(asked)) != len(asked):
         raise InputError(f"--devices must name distinct devices, got {list(asked)}")
+    if kind == "virtual" and not available:
+        raise InputError(
+            "--devices names GPUs, and there is none here: run on a GPU machine, or play a machine's "
+            "GPUs on virtual devices with --machine FILE"
+        )
     missing = [d for d in asked if d < 0 or (available and d not in available)]
     if missing or (kind == "cuda" and not available):
         where = "CUDA GPUs" if kind == "cuda" else "GPUs of the machine" if available else "devices"

@@ -176,7 +176,14 @@ def suite_options(command: Any) -> Any:
 
 def gpu_counts(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     """``1,2,4,8`` → (1, 2, 4, 8); None: what the machine has."""
-    return None if value is None else dims(ctx, param, value)
+    if value is None:
+        return None
+    parts = [d.strip() for d in value.split(",")]
+    if not all(d.isascii() and d.isdigit() and int(d) > 0 for d in parts):
+        raise click.BadParameter(
+            f"bad GPU counts {value!r}: expected positive numbers like 2,4", ctx=ctx, param=param
+        )
+    return tuple(int(d) for d in parts)
 
 
 def device_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:

@@ -281,7 +281,11 @@ def bench(
     """
     from gpudiag.render import render
 
+    if output == "":
+        raise click.UsageError("-o needs a file name")
     if compare:
+        if options["model"] or output:
+            raise click.UsageError("--compare reads two results: it takes no --model and no -o")
         from gpudiag.checks.bench import compare_files
 
         render("bench", compare_files(*compare), fmt, sys.stdout)
@@ -291,8 +295,9 @@ def bench(
     from gpudiag.render import first_rank
 
     # Under torchrun every process measures; the ranks' figures are gathered and rank 0 speaks.
+    # Every rank checks -o first, so a bad one stops them all alike, before any rendezvous.
     speaks = first_rank()
-    if output and speaks:
+    if output:
         from gpudiag.fileio import check_target
 
         check_target(output, force=force)

@@ -74,10 +74,15 @@ def table_rows(result: Any) -> list[list[str]]:
                 _num(c.samples_per_s_per_gpu),
                 _num(c.speedup, ".2f") + "×" if c.speedup is not None else "—",
                 f"{100 * c.efficiency:.0f} %" if c.efficiency is not None else "—",
-                _mib(c.peak_memory),
             ]
+            + ([] if result.simulated else [_mib(c.peak_memory)])
         )
     return rows
+
+
+def header(result: Any) -> list[str]:
+    """The table's columns: no peak memory on virtual devices (there is none to measure)."""
+    return HEADER[:-1] if result.simulated else HEADER
 
 
 HEADER = [
@@ -96,6 +101,12 @@ HEADER = [
 ]
 
 
+def _rank_line(r: dict[str, Any]) -> str:
+    host = f" ({r['host']})" if r.get("host") else ""
+    compute, wait = _ms(r.get("compute_s")), _ms(r.get("allreduce_s"))
+    return f"rank {r['rank']}{host}: compute {compute}, all-reduce wait {wait}"
+
+
 def _phases(case: Any) -> list[tuple[str, float, float]]:
     """(phase, mean seconds, share of the step) of the phases that took any time."""
     total = case.step_time
@@ -109,13 +120,17 @@ def _headline(result: Any) -> str:
         if cfg.get("convention") == "per_gpu"
         else f"global batch {cfg.get('batch_size')} (split over the GPUs)"
     )
-    data = cfg.get("data")
-    if cfg.get("loader_workers") is not None:
-        data = f"a DataLoader with {cfg['loader_workers']} worker(s) per process"
+    data = f"data {cfg.get('data')}"
+    workers = cfg.get("loader_workers")
+    if workers is not None:
+        data = f"data: DataLoader, {workers} worker{'s' if workers != 1 else ''} per process"
+    where = f" · machine {cfg['machine']}" if cfg.get("machine") else ""
+    if cfg.get("devices_asked"):
+        where += f" · devices {','.join(map(str, cfg['devices_asked']))}"
     return (
         f"model {cfg.get('model')} · input {'×'.join(map(str, cfg.get('input_shape', [])))} · {convention} · "
-        f"{cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up · data {data} · "
-        f"epoch = {result.epoch_samples:,} samples · timing: {cfg.get('timing')}"
+        f"{cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up · {data} · "
+        f"epoch = {result.epoch_samples:,} samples{where} · timing: {cfg.get('timing')}"
     )
 
 
@@ -133,8 +148,9 @@ def text(result: Any, stream: TextIO) -> None:
         if result.simulation:
             out.print(f"[yellow]{escape(result.simulation)}[/yellow]")
         table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-        for i, name in enumerate(HEADER):
-            table.add_column(name, justify="left" if i in (0, 2, 3, len(HEADER) - 1) else "right")
+        columns = header(result)
+        for i, name in enumerate(columns):
+            table.add_column(name, justify="left" if i in (0, 2, 3) or name == "peak memory" else "right")
         for row in table_rows(result):
             table.add_row(*row)
         out.print()
@@ -151,12 +167,9 @@ def text(result: Any, stream: TextIO) -> None:
             if len(ranks) > 1:
                 shown = ranks[:RANKS_SHOWN]
                 more = f" (slowest {RANKS_SHOWN} of {len(ranks)})" if len(ranks) > RANKS_SHOWN else ""
-                out.print(f"  ranks{more}, own compute / all-reduce wait per step:")
+                out.print(f"  ranks{more}, per step:")
                 for r in shown:
-                    host = f" {escape(str(r['host']))}" if r.get("host") else ""
-                    out.print(
-                        f"    rank {r['rank']}{host}: {_ms(r.get('compute_s'))} / {_ms(r.get('allreduce_s'))}"
-                    )
+                    out.print(f"    {escape(_rank_line(r))}")
             if c.allreduce_hidden:
                 out.print(
                     f"  {'':<10} {'':<{BAR_WIDTH}} all-reduce hidden under backward: "
@@ -175,6 +188,10 @@ def _text_compare(result: Any, stream: TextIO) -> None:
         simulated = " [yellow](simulated)[/yellow]" if result.simulated else ""
         out.print(f"[bold]bench compare[/bold]{simulated}: {escape(result.before)} → {escape(result.after)}")
         out.print("a change is beyond noise when it exceeds the larger run-to-run spread (p95 − p50)")
+        for line in result.differences:
+            out.print(f"[yellow]the runs differ — {escape(line)}[/yellow]")
+        for line in result.failed:
+            out.print(f"[red]failed {escape(line)}[/red]")
         for case in result.cases:
             table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
             for i, name in enumerate(["figure", "before", "after", "change", "noise", "beyond noise"]):
@@ -189,6 +206,12 @@ def _text_compare(result: Any, stream: TextIO) -> None:
             out.print(f"\nonly after: {escape(label)}")
 
 
+def _figure_name(figure: str) -> str:
+    """``step_p50_s`` → ``step p50``, ``phase:copy`` → ``copy``."""
+    names = {"step_p50_s": "step p50", "step_p95_s": "step p95", "samples_per_s": "samples/s"}
+    return names.get(figure, figure.removeprefix("phase:"))
+
+
 def compare_rows(case: Any) -> list[list[str]]:
     rows = []
     for ch in case.changes:
@@ -198,7 +221,14 @@ def compare_rows(case: Any) -> list[list[str]]:
         delta = (f"{ch.delta:+.1f}" if rate else f"{1e3 * ch.delta:+.2f} ms") + rel
         noise = f"±{100 * ch.noise:.1f} %" if rate else f"±{_ms(ch.noise)}"
         rows.append(
-            [ch.figure, value(ch.before), value(ch.after), delta, noise, "yes" if ch.beyond_noise else "no"]
+            [
+                _figure_name(ch.figure),
+                value(ch.before),
+                value(ch.after),
+                delta,
+                noise,
+                "yes" if ch.beyond_noise else "no",
+            ]
         )
     return rows
 
@@ -213,6 +243,10 @@ def markdown(result: Any, stream: TextIO) -> None:
         lines.append(
             f"`{result.before}` → `{result.after}`; beyond noise: the change exceeds the larger p95 − p50."
         )
+        lines += [f"- **the runs differ** — {line}" for line in result.differences]
+        lines += [f"- **failed** {line}" for line in result.failed]
+        lines += [f"- only before: {label}" for label in result.only_before]
+        lines += [f"- only after: {label}" for label in result.only_after]
         for case in result.cases:
             lines += ["", f"### {case.label}, batch {case.batch}", ""]
             lines.append(
@@ -224,8 +258,9 @@ def markdown(result: Any, stream: TextIO) -> None:
     lines = [f"## gpudiag bench: {result.verdict}{mark}", "", _headline(result), ""]
     if sentence:
         lines += [sentence, ""]
-    rows = [r + [""] * (len(HEADER) - len(r)) for r in table_rows(result)]
-    lines += [md.table(HEADER, rows), ""]
+    columns = header(result)
+    rows = [r + [""] * (len(columns) - len(r)) for r in table_rows(result)]
+    lines += [md.table(columns, rows), ""]
     ok = [c for c in result.cases if c.error is None and c.steps]
     names = list(dict.fromkeys(n for c in ok for n in c.phases))
     phase_names = [n for n in names if any(c.phases.get(n) for c in ok)]
@@ -242,5 +277,20 @@ def markdown(result: Any, stream: TextIO) -> None:
             for c in ok
         ]
         lines += [md.table(["case", *phase_names], rows), ""]
+    ranked = [c for c in ok if len(c.ranks) > 1]
+    if ranked:
+        lines += ["### Ranks (per step)", ""]
+        rows = [
+            [
+                c.label,
+                str(r["rank"]),
+                str(r.get("host") or "—"),
+                _ms(r.get("compute_s")),
+                _ms(r.get("allreduce_s")),
+            ]
+            for c in ranked
+            for r in c.ranks
+        ]
+        lines += [md.table(["case", "rank", "host", "compute", "all-reduce wait"], rows), ""]
     stream.write("\n".join(lines) + "\n")
     stream.write(md.findings(result.findings, "Findings"))

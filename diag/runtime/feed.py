@@ -13,6 +13,8 @@ each batch is the ``data`` phase (what the training loop spends in ``next(loader
 from __future__ import annotations
 
 import multiprocessing
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -20,6 +22,10 @@ from gpudiag.errors import InputError
 
 #: ``loader(rank, world)`` → batches ``(inputs, targets)``, one per step.
 LoaderFn = Callable[[int, int], Iterable[tuple[Any, Any]]]
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class Feed:
@@ -34,6 +40,14 @@ class Feed:
         me = multiprocessing.current_process()
         if me.daemon:
             me.daemon = False
+        self._sigterm: Any = None
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        ):
+            # A rank ends on SIGTERM (its launcher's stop): through Python, so the loader's
+            # workers are stopped on the way out rather than orphaned.
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         self._batches: Iterator[tuple[Any, Any]] | None = iter(loader(rank, world))
         self.taken = 0
 
@@ -60,6 +74,9 @@ class Feed:
         shutdown = getattr(batches, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
 
     def __enter__(self) -> Feed:
         return self

@@ -99,8 +99,10 @@ def rank_main(spec: RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] = 
         if forked:
             # A fresh interpreter starts with Python's warning filters; a forked rank would
             # inherit the caller's (pytest's or -W error), where a harmless DDP warning
-            # would crash the rank.
+            # would crash the rank. Python's defaults, roughly: the noisy categories off.
             warnings.resetwarnings()
+            for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", quiet)  # as Python's own default filters
         if fn is None:
             fn, args = _load_job(folder)
         # A forked rank cannot use the parent's OpenMP thread pool (GNU OpenMP hangs in the
