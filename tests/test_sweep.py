@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,31 @@ def test_host_facts_that_differ_from_the_majority_are_named() -> None:
     }
     assert verdict.majority["host.nccl_env"] == {"NCCL_ALGO": "Ring"}
     assert judge(records, rules=check_rules({"host": []})).exit_code == 0
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_alone_the_sweep_is_a_fleet_of_one_and_leaves_the_environment_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpudiag.repro.sweep.run import SweepOptions, sweep
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "NCCL_ALGO", "TORCH_NCCL_NAN_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "solo")
+    before = dict(os.environ)
+    seed = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+    doc = json.loads(seed.read_text())
+    doc["labels"], doc["gpus"] = doc["labels"][:2], doc["gpus"][:2]
+    doc["matrix"] = [["X", "NV4"], ["NV4", "X"]]
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    options = SweepOptions(
+        output=str(tmp_path / "out"), machine=str(tmp_path / "m.json"), quick=True, checks=("env", "topology")
+    )
+    result = sweep(options)
+    assert dict(os.environ) == before
+    assert result.exit_code == 0 and [v.host for v in result.verdict.nodes] == ["solo"]  # type: ignore[union-attr]
+    assert result.run["pinned"]["NCCL_ALGO"] == "Ring" and result.run["backend"] == "gloo"
+    assert any("fleet of one" in n for n in result.run["notes"])
+    record = json.loads((tmp_path / "out" / RESULTS).read_text())
+    assert record["simulated"] and record["gpus"] == 2 and record["figures"]["intra_busbw_gbps"] > 0
+    assert (tmp_path / "out" / "nodes" / "solo.zip").is_file() and (tmp_path / "out" / "SUMMARY.md").is_file()

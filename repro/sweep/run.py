@@ -112,15 +112,22 @@ def _backend(options: SweepOptions) -> str:
     return "nccl" if options.machine is None and gpus > 0 else "gloo"
 
 
-def _pin_settings(backend: str, scratch: Path) -> dict[str, str]:
-    """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set): before
-    any process group exists, as PyTorch reads them when it creates one."""
+@contextlib.contextmanager
+def _pinned(scratch: Path) -> Iterator[dict[str, str]]:
+    """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set) while
+    active: before any process group exists, as PyTorch reads them when it creates one;
+    what this process's environment was is restored after."""
     recorder = FLIGHT_RECORDER_NEW if _knows_fr_names() else FLIGHT_RECORDER_OLD
     wanted = {k: v.format(scratch=scratch) for k, v in recorder.items()}
     wanted.update({"TORCH_NCCL_NAN_CHECK": "1", "NCCL_ALGO": "Ring"})
-    for key, value in wanted.items():
-        os.environ.setdefault(key, value)
-    return {k: os.environ[k] for k in wanted}
+    added = [k for k in wanted if k not in os.environ]
+    for key in added:
+        os.environ[key] = wanted[key]
+    try:
+        yield {k: os.environ[k] for k in wanted}
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 # -- the whole run ---------------------------------------------------------------------
@@ -169,28 +176,40 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
     started = time.perf_counter()
     try:
-        pinned = _pin_settings(backend, scratch)
-        local = local_phase(options, ident, backend) if ident.leader else None
-        out = Outcome()
-        if local is not None:
-            out.records = {ident.node: local.record}
-        if not ident.torchrun:  # a fleet of one: nothing between nodes
-            out.notes.append(
-                "not under torchrun: a fleet of one node (no between-node tests to compare with)"
-            )
-        else:
-            _between(options, ident, backend, local, out, scratch)
-        if ident.rank != 0:
-            return SweepRun(None, [], {}, None, ident)
-        if local is not None and ident.host not in out.bundles:  # (alone, or the gather failed)
-            out.bundles[ident.host] = _bundle_bytes(
-                local.report, _node_files(out, ident, scratch), options.anonymize
-            )
-        return _finish(
-            options, ident, out, rules, baseline, (hosts, hosts_from), backend, pinned, folder, started
-        )
+        with _pinned(scratch) as pinned:
+            judged = (rules, baseline, hosts, hosts_from, folder)
+            return _run(options, ident, backend, scratch, pinned, started, judged)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(
+    options: SweepOptions,
+    ident: Identity,
+    backend: str,
+    scratch: Path,
+    pinned: dict[str, str],
+    started: float,
+    judged: tuple[Any, ...],
+) -> SweepRun:
+    """The local phase, the between-node phase (under torchrun), then rank 0's verdict."""
+    rules, baseline, hosts, hosts_from, folder = judged
+    local = local_phase(options, ident, backend) if ident.leader else None
+    out = Outcome()
+    if local is not None:
+        out.records = {ident.node: local.record}
+    if not ident.torchrun:  # a fleet of one: nothing between nodes
+        out.notes.append("not under torchrun: a fleet of one node (no between-node tests to compare with)")
+    else:
+        _between(options, ident, backend, local, out, scratch)
+    if ident.rank != 0:
+        return SweepRun(None, [], {}, None, ident)
+    if local is not None and ident.host not in out.bundles:  # (alone, or the gather failed)
+        files = _node_files(out, ident, scratch)
+        out.bundles[ident.host] = _bundle_bytes(local.report, files, options.anonymize)
+    return _finish(
+        options, ident, out, rules, baseline, (hosts, hosts_from), backend, pinned, folder, started
+    )
 
 
 def _node_files(out: Outcome, ident: Identity, scratch: Path) -> dict[str, bytes]:
