@@ -253,7 +253,8 @@ def _small_batch(case: Case) -> list[Finding]:
             _evidence(case, efficiency=round(case.efficiency, 4), speedup=case.speedup),
             cause="each device gets too little work per step to hide the fixed costs of a step "
             "(kernel launches, synchronisation, communication)",
-            fix=f"raise the per-GPU batch (at least {SMALL_BATCH}: --per-gpu --batch-size 64), or use "
+            fix=f"raise the per-GPU batch to {SMALL_BATCH} or more (e.g. --per-gpu --batch-size "
+            f"{2 * SMALL_BATCH}), or use "
             "fewer GPUs; with a fixed global batch (--global) the per-GPU batch shrinks as GPUs are added",
         )
     ]
