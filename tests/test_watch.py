@@ -463,3 +463,19 @@ def test_ddp_backward_fault_on_one_rank(tmp_path: Path, hook: bool) -> None:
             "backward",
         )
         assert report["arrived"] is (rank == 1)
+
+
+@pytest.mark.gpu
+def test_single_cuda_device_names_module_and_step() -> None:
+    torch.manual_seed(0)
+    net = Net().cuda()
+    poison(net.body[2].lin, lambda: watcher.step == 2)
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(4):
+        net(torch.randn(4, 8, device="cuda")).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.module, report.phase, report.device) == (2, "body.2.lin", "forward", "cuda:0")
