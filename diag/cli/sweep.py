@@ -54,7 +54,9 @@ def _render(verdict: Any, records: Any, run: Any, fmt: str) -> None:
 )
 @click.option("--baseline", metavar="FILE", help="Expected figures per machine type (JSON).")
 @click.option(
-    "--quick", is_flag=True, help="Small checks and messages: within 60 s per node (a Slurm prolog)."
+    "--quick",
+    is_flag=True,
+    help="Small checks and messages, short deadlines: aims at 60 s a node (Slurm prolog).",
 )
 @click.option(
     "--checks",
