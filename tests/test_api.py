@@ -19,6 +19,8 @@ def test_the_api_is_listed_and_every_name_resolves() -> None:
         "convert_checkpoint",
         "doctor",
         "bench",
+        "watch",
+        "NonFiniteError",
     }
     assert dir(gpudiag) == sorted(gpudiag.__all__)
     for name in gpudiag.__all__:
