@@ -479,3 +479,34 @@ def test_single_cuda_device_names_module_and_step() -> None:
     report = watcher.report
     assert report is not None
     assert (report.step, report.module, report.phase, report.device) == (2, "body.2.lin", "forward", "cuda:0")
+
+
+def test_ddp_all_reduce_that_corrupts_what_one_rank_receives() -> None:
+    def rank_fn(rank: int, world: int) -> bytes:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from gpudiag.runtime.faults import FaultPlan
+
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net())
+        watcher = gpudiag.watch(ddp, "raise", record_dir=False)
+        assert watcher._comm is not None
+        # the runtime's fault injection: what rank 1 receives at step 2 (runtime step 3) turns NaN
+        watcher._comm.hook.faults = FaultPlan.parse(["0->1:nan@3x1"])
+        try:
+            for _ in range(4):
+                ddp(torch.randn(4, 8)).pow(2).mean().backward()
+                ddp.zero_grad()
+        except NonFiniteError as exc:
+            return json.dumps(exc.report.to_json()).encode()
+        return b"{}"
+
+    for rank, raw in enumerate(launch(rank_fn, 2, timeout=120, method="fork")):
+        report = json.loads(bytes(raw))
+        assert (report["rank"], report["step"], report["phase"]) == (1, 2, "all-reduce"), report
+        assert "came back non-finite from the all-reduce" in report["detail"]
+        assert report["ranks"] == [
+            {"rank": 0, "own": False, "received": False},
+            {"rank": 1, "own": False, "received": True},
+        ]
+        assert report["this_rank"] == rank

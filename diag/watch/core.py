@@ -379,6 +379,8 @@ class Watcher:
             self._bucket_norms.clear()
             self._param_sums.clear()
             self.step += 1
+            if self._comm is not None:  # the runtime's fault plan counts steps from 1
+                self._comm.hook.step = self.step + 1
 
     def _check_local(self) -> None:
         """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
