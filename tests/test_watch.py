@@ -226,6 +226,21 @@ def test_bad_mode_is_an_input_error() -> None:
         gpudiag.watch(Net(), "explode")
 
 
+def test_a_torch_without_the_end_of_backward_callback_is_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher rests on autograd's queue_callback (torch internals): without it,
+    watch() says so before any training, rather than failing inside a backward."""
+    from gpudiag.errors import CannotRunHere
+
+    engine = torch.autograd.Variable._execution_engine
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", object())
+    with pytest.raises(CannotRunHere, match="end-of-backward callback"):
+        gpudiag.watch(nn.Linear(2, 2))
+    monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", engine)
+    gpudiag.watch(nn.Linear(2, 2), record_dir=False).close()
+
+
 def test_callable_module_and_lazy_export() -> None:
     import gpudiag.watch.record as record
 

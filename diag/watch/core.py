@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpudiag.errors import InputError
+from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.runtime.ddp import HookState, watch_hook
 from gpudiag.watch.record import (
     NonFiniteError,
@@ -103,6 +103,20 @@ def _bucket_hook(state: _CommState, bucket: dist.GradBucket) -> torch.futures.Fu
     return watch_hook(state.hook, bucket)
 
 
+def _end_of_backward_callback() -> Any:
+    """Autograd's "run this once the current backward is over" (``queue_callback`` of the
+    execution engine: torch internals, which DDP's reducer and FSDP rely on too), guarded:
+    a torch without it cannot be watched, said when ``watch`` is called."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if not callable(queue):
+        raise CannotRunHere(
+            f"gpudiag.watch needs autograd's end-of-backward callback, which torch {torch.__version__} "
+            "does not have (torch.autograd.Variable._execution_engine.queue_callback)"
+        )
+    return queue
+
+
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating-point tensors inside an output (tensors, tuples, lists, dicts, ModelOutput)."""
     if isinstance(obj, torch.Tensor):
@@ -162,6 +176,7 @@ class Watcher:
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
+        _end_of_backward_callback()  # refused here, not in the middle of the user's backward
         if not isinstance(model, nn.Module):
             raise InputError(f"gpudiag.watch needs a torch.nn.Module, got {type(model).__name__}")
         from torch.nn.parallel import DistributedDataParallel
@@ -311,10 +326,10 @@ class Watcher:
             self._queued = True
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            _end_of_backward_callback()(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
+        _end_of_backward_callback()(self.after_backward)
 
     def _param_hook(self, param: torch.Tensor) -> Any:
         sums = self._param_sums
