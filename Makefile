@@ -4,6 +4,8 @@
 #   make gpu-test  on a machine that already has torch and a GPU (no network needed): install
 #                  gpudiag into $(PYTHON), run the whole suite with the gpu tests, then gradcheck
 #                  on torchvision models at world size 1 on CUDA (docs/gpu-validation.md)
+#   make gpu-bench after gpu-test, on the same machine: the speed targets measured on CUDA
+#                  (bench, watch and runtime overheads, bench's accuracy, a one-node sweep)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -13,7 +15,7 @@ TYPED  := diag checks repro
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121
 
-.PHONY: demo test gpu-test lint typecheck pytest bench clean
+.PHONY: demo test gpu-test gpu-bench lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +54,14 @@ gpu-test:
 	  $(PYTHON) -m gpudiag gradcheck --model "torchvision:$$model?num_classes=10" --input-shape 3,32,32 \
 	    --world-size 1 || exit 1; \
 	done
+
+gpu-bench:
+	$(PYTHON) -m gpudiag bench --model "torchvision:resnet18?num_classes=10" --data loader:4 --steps 30
+	$(PYTHON) bench/bench_accuracy.py --rounds 5
+	$(PYTHON) bench/runtime_overhead.py --device cuda --steps 100 --warmup 10
+	$(PYTHON) bench/watch_overhead.py --device cuda
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 1 -m gpudiag sweep --quick \
+	  -o "$${TMPDIR:-/tmp}/gpudiag-gpu-sweep" --force
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
