@@ -6,6 +6,7 @@ nothing; close() leaves no hook."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,61 @@ def test_grad_scaler_overflow_is_a_skip_not_a_fault() -> None:
     assert watcher.report is None
     assert [(e.kind, e.step, e.module) for e in watcher.events] == [("scaler-skip", 1, "body.2.lin")]
     assert scaler.get_scale() < 2.0**10  # the scaler did skip it
+
+
+def test_an_fp16_overflow_of_the_loss_gradient_is_the_scalers_skip() -> None:
+    """fp16 outputs under autocast: scale × 2 overflows fp16 in the gradient flowing into
+    the output; the scaler skips those steps and halves its scale — training goes on."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    scaler = torch.amp.GradScaler("cpu")  # 65536
+    watcher = gpudiag.watch(net, "raise", scaler=scaler, record_dir=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = net(torch.randn(4, 8)).float().sum() * 2
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert watcher.report is None
+    assert {e.kind for e in watcher.events} == {"scaler-skip"} and scaler.get_scale() < 65536
+
+
+def test_eval_mode_forwards_keep_nothing_and_are_not_blamed() -> None:
+    """A validation forward that forgot torch.no_grad(), on a NaN batch: kept by nothing,
+    and the next (clean) training step is not blamed for it."""
+    torch.manual_seed(0)
+    net = Net()
+    watcher = gpudiag.watch(net, "raise", record_dir=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for step in range(3):
+        net.train()
+        net(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        net.eval()
+        bad = torch.randn(4, 8)
+        bad[0, 0] = float("nan") if step == 1 else 0.0
+        out = net(bad)
+        assert watcher._trail == [] and all(kept is None for _, kept, _ in watcher._outputs)
+        del out
+    assert watcher.report is None and watcher.step == 3
+
+
+def test_an_output_changed_in_place_later_is_not_blamed() -> None:
+    """torchvision's BasicBlock adds the shortcut into bn2's output in place: a NaN from the
+    downsample branch is named there, not at bn2."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=10)
+    net.layer2[0].downsample[1].register_forward_hook(
+        lambda m, i, o: o.index_fill(0, torch.tensor([0]), math.nan)
+    )
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    torch.nn.functional.cross_entropy(net(torch.randn(2, 3, 32, 32)), torch.tensor([1, 2])).backward()
+    assert watcher.report is not None
+    assert (watcher.report.module, watcher.report.phase) == ("layer2.0.downsample.1", "forward")
 
 
 def test_compiled_model_says_what_it_cannot_see() -> None:

@@ -2,7 +2,7 @@
 non-finite. See ``docs/watch.md``.
 
 This module is callable — ``gpudiag.watch(model)`` is :func:`gpudiag.watch.core.watch` —
-so the function and the package (``gpudiag.watch.lightning``, ``.transformers``,
+so the function and the package (``gpudiag.watch.lightning``, ``.hf``,
 ``.accelerate``) share one name. Importing it does not import torch; calling it does.
 """
 

@@ -65,6 +65,22 @@ class _Seen:
     inputs: Any
     output: Any
     replica: int | None  # VirtualDataParallel: the virtual device running this replica
+    versions: tuple[int, ...] = ()  # the output tensors' in-place versions when returned
+
+    def changed_since(self, later: list["_Seen"]) -> bool:
+        """Whether the output was modified in place after the module returned it by code
+        that is not a watched module (ResNet's ``out += identity``): its values then are not
+        what the module produced. A watched in-place module that took it next (``ReLU(inplace=
+        True)``: the same tensor, one version on) changed nothing that matters here."""
+        now = tuple(_version(t) for t in _tensors(self.output))
+        if not self.versions or now == self.versions:
+            return False
+        for i, seen in enumerate(later):
+            if seen.output is self.output:
+                return seen.versions != tuple(v + 1 for v in self.versions) or seen.changed_since(
+                    later[i + 1 :]
+                )
+        return True
 
 
 @dataclass
@@ -115,6 +131,12 @@ def _end_of_backward_callback() -> Any:
             "does not have (torch.autograd.Variable._execution_engine.queue_callback)"
         )
     return queue
+
+
+def _version(t: torch.Tensor) -> int:
+    """A tensor's in-place version counter (``Tensor._version``, what autograd checks saved
+    tensors against), guarded: -1 where a torch has none, so nothing counts as changed."""
+    return int(getattr(t, "_version", -1))
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -238,6 +260,8 @@ class Watcher:
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
+        self._eval = False  # the model's current forward runs in eval mode
+        self._only_eval = True  # everything kept since the last step came from eval-mode forwards
         self._forwards = 0  # forwards of the model since the last check
         self._queued = False
         self._synced = False
@@ -276,10 +300,13 @@ class Watcher:
         trail = self._trail
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if self.done or not torch.is_grad_enabled() or len(trail) >= TRAIL_LIMIT:
+            if self.done or self._eval or not torch.is_grad_enabled() or len(trail) >= TRAIL_LIMIT:
                 return
             vdp = self.vdp
-            trail.append(_Seen(path, module, inputs, output, vdp.transport.replica if vdp else None))
+            versions = tuple(_version(t) for t in _tensors(output))
+            trail.append(
+                _Seen(path, module, inputs, output, vdp.transport.replica if vdp else None, versions)
+            )
 
         return hook
 
@@ -287,15 +314,23 @@ class Watcher:
         if self.done or not torch.is_grad_enabled():
             return
         self._forwards += 1
-        if not self._queued and (not self._awaiting or self._forwards > MAX_FORWARDS):
+        evaluating = not module.training
+        if not self._queued and (
+            not self._awaiting or self._forwards > MAX_FORWARDS or (self._only_eval and not evaluating)
+        ):
             # A new step, or forwards whose backward never came (evaluation with gradients
             # on, a skipped batch): what they kept is let go.
             self._trail.clear()
             self._inputs.clear()
             self._outputs.clear()
             self._out_grads.clear()
-            self._awaiting, self._forwards = False, 1
-        self._inputs.append(inputs)
+            self._awaiting, self._forwards, self._only_eval = False, 1, True
+        # A forward in eval mode (validation that forgot torch.no_grad) keeps nothing but its
+        # output's witness: no module outputs, no inputs, no reference to its output.
+        self._eval = evaluating
+        if not evaluating:
+            self._only_eval = False
+            self._inputs.append(inputs)
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
         self.observe(output, "")
@@ -311,7 +346,7 @@ class Watcher:
         if not tensors:
             return
         self._dirty = True
-        self._outputs.append((_witness(tensors), output, name))
+        self._outputs.append((_witness(tensors), None if self._eval else output, name))
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
@@ -517,15 +552,25 @@ class Watcher:
             if found is not None:
                 return found
         if any(not math.isfinite(v) for v in out_grads):
-            return self._local_at(
-                "backward",
-                "<loss>",
-                "the gradient flowing into the model's output from the loss was non-finite: "
-                "the loss, computed outside the model, is non-finite",
+            return self._scaler_skip(
+                self._local_at(
+                    "backward",
+                    "<loss>",
+                    "the gradient flowing into the model's output from the loss was non-finite: "
+                    "the loss, computed outside the model, is non-finite",
+                )
             )
         if bad_grads:
             return self._bad_gradient(bad_grads)
         return None
+
+    def _scaler_skip(self, local: _Local) -> _Local:
+        """A backward fault under an enabled GradScaler is its overflow: the scaler skips
+        the step and lowers its scale (what it is for), noted, not a fault."""
+        if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)():
+            local.kind = "scaler-skip"
+            local.detail += "; the GradScaler skips this step and lowers its scale"
+        return local
 
     def _device_label(self, seen: _Seen | None = None) -> str:
         if seen is not None and seen.replica is not None and self.vdp is not None:
@@ -557,9 +602,13 @@ class Watcher:
             bad, total = _bad_count(inputs)
             if bad:
                 return self._local_at("input", "<input>", f"{bad} of {total} input values were non-finite")
-        for seen in self._trail:
+        suspects: list[str] = []
+        for i, seen in enumerate(self._trail):
             bad, total = _bad_count(seen.output)
             if not bad:
+                continue
+            if seen.changed_since(self._trail[i + 1 :]):
+                suspects.append(seen.path)  # changed in place later: judged by what came after
                 continue
             stale = self._bad_parameter(seen.module)
             if stale is not None:
@@ -581,11 +630,16 @@ class Watcher:
             kind = type(seen.module).__name__
             if in_bad:
                 parent = seen.path.rpartition(".")[0]
+                also = (
+                    f" (or in {', '.join(suspects)}, whose output that code changed in place afterwards)"
+                    if suspects
+                    else ""
+                )
                 return self._local_at(
                     "forward",
                     parent,
                     f"the input of {seen.path or 'the model'} ({kind}) was already non-finite: it arose "
-                    f"in {parent or 'the model'}'s own forward code, outside its submodules",
+                    f"in {parent or 'the model'}'s own forward code, outside its submodules{also}",
                     seen,
                 )
             where = f" on replica {self._device_label(seen)}" if self.placement.startswith("dp") else ""
@@ -632,11 +686,7 @@ class Watcher:
         name = self.names.get(id(param), "?")
         module = self.owner.get(id(param), "")
         count = f"{bad} NaN/Inf of {param.numel()}" if bad >= 0 else "non-finite"
-        local = self._local_at("backward", module, f"gradient of {name}: {count}")
-        if self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)():
-            local.kind = "scaler-skip"
-            local.detail += "; the GradScaler skips this step and lowers its scale"
-        return local
+        return self._scaler_skip(self._local_at("backward", module, f"gradient of {name}: {count}"))
 
     # -- DataParallel transfers ----------------------------------------------------------
 
