@@ -312,3 +312,49 @@ def test_alone_the_sweep_is_a_fleet_of_one_and_leaves_the_environment_as_it_was(
     record = json.loads((tmp_path / "out" / RESULTS).read_text())
     assert record["simulated"] and record["gpus"] == 2 and record["figures"]["intra_busbw_gbps"] > 0
     assert (tmp_path / "out" / "nodes" / "solo.zip").is_file() and (tmp_path / "out" / "SUMMARY.md").is_file()
+
+
+def test_two_nodes_that_disagree_are_both_named_not_a_made_up_majority() -> None:
+    versions = node(1)["versions"]
+    verdict = judge([node(0), node(1, versions={**versions, "torch": "2.0"}, host_facts={"iommu": "on"})])
+    for host in ("node0", "node1"):
+        assert "node-version-differs" in codes(verdict, host)
+    assert "no majority" in by_host(verdict)["node1"].problems[0].message
+    assert verdict.exit_code == 1
+    assert "node-fewer-gpus" in codes(judge([node(0), node(1, gpus=4)]), "node1")  # fewer than the most
+
+
+def test_simulated_figures_are_not_judged_unless_the_rules_ask() -> None:
+    records = [node(i, simulated=True) for i in range(4)]
+    records[2] = node(2, simulated=True, figures={"intra_busbw_gbps": 1.0})
+    assert judge(records).exit_code == 0
+    asked = check_rules({"judge_simulated_figures": True})
+    assert codes(judge(records, rules=asked), "node2") == ["node-figure-low"]
+    pair = [node(0), node(1, figures={"pair_busbw_gbps": 1.0})]  # one link seen from both ends
+    assert judge(pair).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"gpus": "x"},
+        {"gpus": 1e29},
+        {"host_facts": "on"},
+        {"topology_digest": ["a"]},
+        {"versions": {"torch": ["2.5"]}},
+        {"checks": [{"a": 1}]},
+        {"figures": {"intra_busbw_gbps": float("nan")}},
+        {"figures": {"intra_busbw_gbps": -1}},
+        {"figures": {"intra_busbw_gbps": True}},
+    ],
+)
+def test_wrongly_typed_records_are_exit_2_naming_the_field(tmp_path: Path, change: dict[str, Any]) -> None:
+    rec = node(1)
+    rec.update(change)
+    path = tmp_path / RESULTS
+    path.write_text(json.dumps(node(0)) + "\n" + json.dumps(rec) + "\n")
+    result = CliRunner().invoke(cli, ["sweep", "--summary", str(path), "--format", "markdown"])
+    assert result.exit_code == 2 and f"{RESULTS}:2" in result.stderr, result.output
+    path.write_text("")
+    empty = CliRunner().invoke(cli, ["sweep", "--summary", str(path)])
+    assert empty.exit_code == 2 and "no node records" in empty.stderr

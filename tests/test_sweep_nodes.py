@@ -24,6 +24,7 @@ LOOSE = {
         "pair_busbw_gbps": {"min_fraction_of_median": 0.05},
     },
     "pair_slow_fraction": 0.05,
+    "judge_simulated_figures": True,
 }
 
 

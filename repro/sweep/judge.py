@@ -365,29 +365,43 @@ def judge(
     for key in rules.get("versions", []):
         values = [(rec.get("versions") or {}).get(key) for rec in records]
         value, count = _majority(v for v in values if v is not None)
-        majority[key] = value
         if value is None or count * 2 <= sum(v is not None for v in values):
-            if len({v for v in values if v is not None}) > 1:
-                fleet_notes.append(
-                    f"{key}: no majority among {sorted({str(v) for v in values if v is not None})}"
-                )
+            majority[key] = None
+            distinct = sorted({str(v) for v in values if v is not None})
+            if len(distinct) > 1:  # a tie: every node differs from some other, none is the odd one
+                fleet_notes.append(f"{key}: no majority among {distinct}")
+                for i, v in enumerate(values):
+                    if v is not None:
+                        problems[i].append(
+                            Problem(
+                                "node-version-differs",
+                                f"{key} differs between nodes, no majority",
+                                "one value",
+                                v,
+                            )
+                        )
             continue
+        majority[key] = value
         for i, v in enumerate(values):
             if v is not None and v != value:
                 problems[i].append(
                     Problem("node-version-differs", f"{key} differs from the majority's", value, v)
                 )
     if rules.get("topology_must_match", True):
-        value, count = _majority(r.get("topology_digest") for r in records if r.get("topology_digest"))
-        majority["topology_digest"] = value
+        digests = [r.get("topology_digest") for r in records if r.get("topology_digest")]
+        value, count = _majority(digests)
+        tie = value is not None and count * 2 <= len(digests)
+        majority["topology_digest"] = None if tie else value
         for i, rec in enumerate(records):
             digest = rec.get("topology_digest")
-            if value is not None and digest and digest != value:
+            if value is not None and digest and ((tie and len(set(digests)) > 1) or digest != value):
                 problems[i].append(
                     Problem(
                         "node-topology-differs",
-                        f"topology differs from the majority's ({count} of {len(records)} nodes)",
-                        value,
+                        "topology differs between nodes, no majority"
+                        if tie
+                        else f"topology differs from the majority's ({count} of {len(records)} nodes)",
+                        "one topology" if tie else value,
                         digest,
                     )
                 )
@@ -395,9 +409,21 @@ def judge(
         facts = [(rec.get("host_facts") or {}).get(key) for rec in records]
         keyed = [None if f is None else json.dumps(f, sort_keys=True) for f in facts]
         value, count = _majority(text for text in keyed if text is not None)
-        majority[f"host.{key}"] = None if value is None else json.loads(value)
         if value is None or count * 2 <= sum(text is not None for text in keyed):
+            majority[f"host.{key}"] = None
+            if len({t for t in keyed if t is not None}) > 1:  # a tie
+                for i, text in enumerate(keyed):
+                    if text is not None:
+                        problems[i].append(
+                            Problem(
+                                "node-host-differs",
+                                f"host fact {key} differs between nodes, no majority",
+                                "one value",
+                                facts[i],
+                            )
+                        )
             continue
+        majority[f"host.{key}"] = json.loads(value)
         for i, text in enumerate(keyed):
             if text is not None and text != value:
                 problems[i].append(
@@ -409,7 +435,10 @@ def judge(
                     )
                 )
     if rules.get("gpus_must_match", True):
-        value, count = _majority(int(r.get("gpus") or 0) for r in records)
+        counts = [int(r.get("gpus") or 0) for r in records]
+        value, count = _majority(counts)
+        if value is not None and count * 2 <= len(counts):
+            value = max(counts)  # no majority: fewer than the most any node has
         majority["gpus"] = value
         for i, rec in enumerate(records):
             if value is not None and int(rec.get("gpus") or 0) < value:
@@ -423,7 +452,16 @@ def judge(
         limit = float(rules.get("figures", {}).get(figure, {}).get("min_fraction_of_median", 0.8))
         have = [(i, float(rec["figures"][figure])) for i, rec in enumerate(records) if _figure(rec, figure)]
         medians[figure] = median([v for _, v in have])
-        if len(have) < int(rules.get("min_nodes", 2)):
+        if (
+            have
+            and not rules.get("judge_simulated_figures")
+            and all(records[i].get("simulated") for i, _ in have)
+        ):
+            fleet_notes.append(f"{figure}: measured on CPU virtual devices, not judged (it swings many-fold)")
+            continue
+        # a pair's figure with two nodes is one link measured from both ends: no outlier
+        least = max(int(rules.get("min_nodes", 2)), 3 if figure == "pair_busbw_gbps" else 2)
+        if len(have) < least:
             continue
         others = leave_one_out_medians([v for _, v in have])
         for (i, value), other in zip(have, others, strict=True):

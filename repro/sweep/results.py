@@ -18,6 +18,7 @@ so ``gpudiag sweep --summary sweep/`` re-judges anywhere.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ def check_record(data: Any, where: str) -> dict[str, Any]:
     ):
         if key in data and data[key] is not None and not isinstance(data[key], kind):
             raise InputError(f"{where}: {key} must be a {kind.__name__}")
+    _check_fields(data, where)
     for pair in data.get("pairs") or []:
         if not isinstance(pair, dict) or not all(isinstance(pair.get(k), int) for k in ("round", "peer")):
             raise InputError(f"{where}: each pair test needs integer round and peer")
@@ -67,6 +69,37 @@ def check_record(data: Any, where: str) -> dict[str, Any]:
         if not isinstance(problem, dict) or set(problem) - {"code", "message", "expected", "measured"}:
             raise InputError(f"{where}: a problem has code, message, expected, measured")
     return data
+
+
+def _check_fields(data: dict[str, Any], where: str) -> None:
+    """The typed fields judging reads: a wrong type is bad input naming the field, never
+    an internal error; figures are finite, non-negative numbers."""
+    gpus = data.get("gpus")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= 1 << 16):
+        raise InputError(f"{where}: gpus must be a whole number from 0 to 65536, got {gpus!r}")
+    if data.get("host_facts") is not None and not isinstance(data["host_facts"], dict):
+        raise InputError(f"{where}: host_facts must be an object")
+    digest = data.get("topology_digest")
+    if digest is not None and not isinstance(digest, str):
+        raise InputError(f"{where}: topology_digest must be a string")
+    for key, value in (data.get("versions") or {}).items():
+        if value is not None and not isinstance(value, (str, int, float)):
+            raise InputError(f"{where}: versions.{key} must be a string")
+    for check in data.get("checks") or []:
+        if not isinstance(check, dict) or not isinstance(check.get("name"), str):
+            raise InputError(f"{where}: each check needs a name")
+        if not isinstance(check.get("status", ""), str):
+            raise InputError(f"{where}: check {check['name']}: status must be a string")
+    for key, value in (data.get("figures") or {}).items():
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise InputError(f"{where}: figures.{key} must be a finite number ≥ 0, got {value!r}")
 
 
 def results_jsonl(records: Sequence[Mapping[str, Any]]) -> str:
@@ -96,6 +129,8 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
                 records.append(check_record(data, f"{path}:{number}"))
     except OSError as exc:
         raise InputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if not records:
+        raise InputError(f"{path}: no node records (an empty sweep judges nothing)")
     return records
 
 

@@ -55,6 +55,9 @@ DEFAULT_RULES: dict[str, Any] = {
     "host": list(HOST_FIELDS),
     "pair_slow_fraction": 0.8,
     "baseline_fraction": 0.8,
+    # figures measured on CPU virtual devices swing many-fold between processes: not judged
+    # unless asked (the local rehearsals ask, with loose fractions)
+    "judge_simulated_figures": False,
 }
 
 
@@ -85,6 +88,10 @@ def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
             )
         for key, value in limits.items():
             rules["figures"][figure][key] = _fraction(value, f"{name}: figures.{figure}.{key}")
+    if "judge_simulated_figures" in data:
+        if not isinstance(data["judge_simulated_figures"], bool):
+            raise InputError(f"{name}: judge_simulated_figures: expected true or false")
+        rules["judge_simulated_figures"] = data["judge_simulated_figures"]
     if "min_nodes" in data:
         value = data["min_nodes"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 2:
