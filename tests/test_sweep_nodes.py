@@ -82,6 +82,8 @@ def test_two_nodes_name_the_corrupting_node_and_the_host_that_never_started(
     assert [r["host"] for r in out["records"]] == ["node0", "node1"]
     assert all(r["simulated"] for r in out["records"]) and "simulated" in out["summary"]
     assert out["run"]["backend"] == "gloo" and out["run"]["pinned"]["NCCL_ALGO"] == "Ring"
+    assert out["run"]["injected"] == ["node1: *->*:bitflip"]  # the rehearsal, said by host
+    assert "rehearsal" in (tmp_path / "sweep" / "SUMMARY.md").read_text()
     with zipfile.ZipFile(tmp_path / "sweep" / "nodes" / "node1.zip") as bundle:
         names = bundle.namelist()
         assert "report.json" in names and "sweep/node.json" in names

@@ -308,7 +308,15 @@ def _finish(
         "expected_hosts": hosts,
         "expected_from": hosts_from,
         "pinned": pinned,
-        "injected": list(options.inject),
+        # every node's rehearsed faults (each node has its own options), by host
+        "injected": [
+            f"{rec['host']}: {spec}"
+            for rec in sorted(records, key=lambda r: int(r.get("node", 0)))
+            for spec in [
+                *(rec.get("injected") or []),
+                *([f"delay {rec['delay_s']} s"] if rec.get("delay_s") else []),
+            ]
+        ],
         "quick": options.quick,
         "phase_timeout_s": options.phase_timeout,
         "message_bytes": options.nbytes,
