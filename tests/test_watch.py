@@ -297,6 +297,17 @@ def test_a_torch_without_the_end_of_backward_callback_is_refused_at_once(
     gpudiag.watch(nn.Linear(2, 2), record_dir=False).close()
 
 
+def test_a_model_watched_twice_is_refused_until_the_first_is_closed() -> None:
+    from gpudiag.errors import InputError
+
+    net = Net()
+    first = gpudiag.watch(net, record_dir=False)
+    with pytest.raises(InputError, match="watched already"):
+        gpudiag.watch(net, record_dir=False)
+    first.close()
+    gpudiag.watch(net, record_dir=False).close()
+
+
 def test_callable_module_and_lazy_export() -> None:
     import gpudiag.watch.record as record
 

@@ -48,6 +48,8 @@ from gpudiag.watch.record import (
 )
 
 MODES = ("raise", "warn", "record")
+#: model → a weak reference to its open watcher (neither is kept alive by this table)
+_WATCHING: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Watcher]]" = weakref.WeakKeyDictionary()
 #: Module outputs kept per step at most (beyond it, forward localisation stops for the step).
 TRAIL_LIMIT = 100_000
 #: Forwards kept awaiting one backward (several losses, then one backward); beyond, the
@@ -201,11 +203,19 @@ class Watcher:
         _end_of_backward_callback()  # refused here, not in the middle of the user's backward
         if not isinstance(model, nn.Module):
             raise InputError(f"gpudiag.watch needs a torch.nn.Module, got {type(model).__name__}")
+        ref = _WATCHING.get(model)
+        earlier = ref() if ref is not None else None
+        if earlier is not None and not getattr(earlier, "closed", True):
+            raise InputError(
+                "this model is watched already: close() the first watcher (or use it) — two would "
+                "hook every module twice"
+            )
         from torch.nn.parallel import DistributedDataParallel
 
         from gpudiag.runtime.dp import VirtualDataParallel
 
         self.model, self.mode, self.scaler = model, on_nonfinite, scaler
+        _WATCHING[model] = weakref.ref(self)
         self._record_dir = record_dir
         self.ddp: Any = None
         self.dp: Any = None
@@ -792,6 +802,9 @@ class Watcher:
         if self._comm is not None:
             self._comm.watcher = None
         self.closed = True
+        ref = _WATCHING.get(self.model)
+        if ref is not None and ref() is self:
+            del _WATCHING[self.model]
         self._trail.clear()
         self._inputs.clear()
         self._outputs.clear()
