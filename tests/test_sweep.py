@@ -358,3 +358,10 @@ def test_wrongly_typed_records_are_exit_2_naming_the_field(tmp_path: Path, chang
     path.write_text("")
     empty = CliRunner().invoke(cli, ["sweep", "--summary", str(path)])
     assert empty.exit_code == 2 and "no node records" in empty.stderr
+
+
+@pytest.mark.parametrize("hosts", ["", " ", ",", "node0 node1"])
+def test_an_expect_hosts_list_that_names_no_host_is_exit_2(tmp_path: Path, hosts: str) -> None:
+    _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
+    result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--expect-hosts", hosts])
+    assert result.exit_code == 2 and "--expect-hosts" in result.stderr, result.output

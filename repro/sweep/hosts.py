@@ -70,8 +70,16 @@ def expected_hosts(option: str | None, environ: Mapping[str, str]) -> tuple[list
     """The hosts a sweep expects and where the list came from: ``--expect-hosts`` (the same
     compressed syntax), else ``SLURM_JOB_NODELIST``; none when neither is given (then the
     launcher's own count is all there is: torchrun's group has every node that joined)."""
-    if option:
-        return expand_nodelist(option), "--expect-hosts"
+    if option is not None:
+        hosts = expand_nodelist(option)
+        if not hosts:
+            raise InputError(f"--expect-hosts {option!r} names no host")
+        spaced = [h for h in hosts if not h.strip() or any(c.isspace() for c in h)]
+        if spaced:
+            raise InputError(
+                f"--expect-hosts: {spaced[0]!r} is not a host name (separate hosts with commas: node0,node1)"
+            )
+        return hosts, "--expect-hosts"
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if nodelist:
         return expand_nodelist(nodelist), "SLURM_JOB_NODELIST"

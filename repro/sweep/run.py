@@ -388,14 +388,14 @@ def rejudge(
 ) -> tuple[FleetVerdict, Any]:
     """``gpudiag sweep --summary``: read a sweep folder (or results.jsonl) and judge again,
     with its own rules.json unless ``rules`` names another file."""
-    from gpudiag.repro.sweep.hosts import expand_nodelist
     from gpudiag.repro.sweep.results import read_sweep
 
     used = load_rules(rules) if rules else None
     with without_gc():
         data = read_sweep(folder)
         used = used or data.rules or load_rules(None)
-        hosts = expand_nodelist(expect_hosts) if expect_hosts else list(data.run.get("expected_hosts") or [])
+        asked = expected_hosts(expect_hosts, {})[0] if expect_hosts is not None else []
+        hosts = asked or list(data.run.get("expected_hosts") or [])
         verdict = judge(data.records, expected_hosts=hosts, rules=used, baseline=load_baseline(baseline))
     return verdict, data
 
