@@ -170,6 +170,33 @@ def temporary_folder(target: Path, suffix: str = ".tmp") -> Path:
         raise InputError(f"cannot write in {target.parent}: {exc.strerror}") from exc
 
 
+def write_folder(target: Path, files: dict[str, bytes], executable: frozenset[str] = frozenset()) -> Path:
+    """Write ``target`` as a folder of ``files`` (relative name → bytes) whole: staged in a
+    :func:`temporary_folder` beside it, then renamed into place; an existing ``target`` (the
+    caller checked it may be replaced) is moved aside only once the new one is complete.
+    Modes as ``mkdir``/``open`` give them; names in ``executable`` also get the x bits."""
+    staging = temporary_folder(target)
+    try:
+        for name, data in files.items():
+            dest = staging / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+            if name in executable:
+                dest.chmod(new_mode(folder=True))  # 0777 less the umask, as mkdir
+        staging.chmod(new_mode(folder=True))  # mkdtemp made it 0700
+        if target.exists():
+            old = temporary_folder(target, ".old")
+            os.replace(target, old / target.name)
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[BinaryIO]:
     """A binary file to write ``path`` through: a temporary file in the same folder that

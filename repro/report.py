@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import sys
 import tempfile
 import zipfile
@@ -34,7 +33,7 @@ from typing import Any
 
 from gpudiag import __version__
 from gpudiag.checks.suite import MACHINE_FILE, CheckRun, Here, plan, run_check
-from gpudiag.fileio import check_target, new_mode, temporary_folder
+from gpudiag.fileio import check_target, write_folder
 from gpudiag.redact import Redactor
 
 SCHEMA = "gpudiag.report/1"
@@ -262,26 +261,7 @@ def write_bundle(
             for name, data in sorted(files.items()):
                 archive.writestr(_zip_info(name, name == "repro.py"), data)
         return target
-    staging = temporary_folder(target)
-    try:
-        for name, data in files.items():
-            dest = staging / name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
-            if name == "repro.py":
-                dest.chmod(new_mode(folder=True))  # executable: 0777 less the umask, as mkdir
-        staging.chmod(new_mode(folder=True))  # mkdtemp made it 0700; a folder gets mkdir's mode
-        if target.exists():  # force: move the old bundle aside only once the new one is complete
-            old = temporary_folder(target, ".old")
-            os.replace(target, old / "bundle")
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return write_folder(target, files, executable=frozenset({"repro.py"}))
 
 
 def _zip_info(name: str, executable: bool) -> zipfile.ZipInfo:

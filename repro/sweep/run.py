@@ -340,7 +340,7 @@ def write_sweep(
     force: bool,
 ) -> Path:
     """The sweep folder, written whole beside its place and renamed into it."""
-    from gpudiag.fileio import new_mode, temporary_folder
+    from gpudiag.fileio import write_folder
     from gpudiag.redact import Redactor
 
     redactor = Redactor()
@@ -353,24 +353,7 @@ def write_sweep(
     files = {name: redactor.bytes(data) for name, data in files.items()}
     for host, data in bundles.items():  # (redacted on their node)
         files[f"{NODES}/{_safe(host)}.zip"] = data
-    staging = temporary_folder(folder)
-    try:
-        for name, data in files.items():
-            dest = staging / name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
-        staging.chmod(new_mode(folder=True))
-        if folder.exists():
-            old = temporary_folder(folder, ".old")
-            os.replace(folder, old / "sweep")
-            os.replace(staging, folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return folder
+    return write_folder(folder, files)
 
 
 def _safe(host: str) -> str:
