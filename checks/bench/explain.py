@@ -261,33 +261,34 @@ def _small_batch(case: Case) -> list[Finding]:
 
 
 def _oversubscribed(case: Case, cores: int) -> list[Finding]:
-    if len(case.threads) < 2 or sum(case.threads) <= cores:
+    processes, threads = len(case.threads), max(case.threads, default=0)
+    if processes < 2 or sum(case.threads) <= cores:
         return []
-    if max(case.threads) == 1:  # one thread each already: more processes than cores
-        return [
-            Finding(
-                "cpu-oversubscribed",
-                "warning",
-                f"{case.label}: {len(case.threads)} processes of one compute thread each on {cores} CPU "
-                f"core{'s' if cores != 1 else ''}",
-                _evidence(case, processes=len(case.threads), threads=case.threads, cores=cores),
-                cause="there are more training processes than cores, so they take turns on the CPU "
-                "(on CPU virtual devices every rank is such a process)",
-                fix="run fewer processes per machine than it has cores, or measure on GPUs",
-            )
-        ]
-    return [
-        Finding(
-            "cpu-oversubscribed",
-            "warning",
-            f"{case.label}: {len(case.threads)} processes × {max(case.threads)} threads each = "
-            f"{sum(case.threads)} compute threads on {cores} CPU cores",
-            _evidence(case, processes=len(case.threads), threads=case.threads, cores=cores),
-            cause="every rank's torch uses as many intra-op threads as the machine has cores, so the "
-            "ranks' threads fight for the same cores",
-            fix=f"set OMP_NUM_THREADS={max(1, cores // len(case.threads))} (cores ÷ ranks; torchrun sets 1) "
-            "or torch.set_num_threads in each rank",
+    if threads == 1:  # one thread each already: more processes than cores
+        message = (
+            f"{processes} processes of one compute thread each on {cores} CPU core{'s' if cores != 1 else ''}"
         )
+        cause = (
+            "there are more training processes than cores, so they take turns on the CPU "
+            "(on CPU virtual devices every rank is such a process)"
+        )
+        fix = "run fewer processes per machine than it has cores, or measure on GPUs"
+    else:
+        message = (
+            f"{processes} processes × {threads} threads each = {sum(case.threads)} compute threads "
+            f"on {cores} CPU cores"
+        )
+        cause = (
+            "every rank's torch uses as many intra-op threads as the machine has cores, so the ranks' "
+            "threads fight for the same cores"
+        )
+        fix = (
+            f"set OMP_NUM_THREADS={max(1, cores // processes)} (cores ÷ ranks; torchrun sets 1) "
+            "or torch.set_num_threads in each rank"
+        )
+    evidence = _evidence(case, processes=processes, threads=case.threads, cores=cores)
+    return [
+        Finding("cpu-oversubscribed", "warning", f"{case.label}: {message}", evidence, cause=cause, fix=fix)
     ]
 
 
