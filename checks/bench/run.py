@@ -304,12 +304,12 @@ def _check_devices(kind: str, available: list[int], asked: Sequence[int]) -> Non
             "--devices names GPUs, and there is none here: run on a GPU machine, or play a machine's "
             "GPUs on virtual devices with --machine FILE"
         )
-    missing = [d for d in asked if d < 0 or (available and d not in available)]
-    if missing or (kind == "cuda" and not available):
-        where = "CUDA GPUs" if kind == "cuda" else "GPUs of the machine" if available else "devices"
+    missing = [d for d in asked if d not in available]
+    if missing:
+        where = "CUDA GPUs" if kind == "cuda" else "GPUs of the machine"
         raise InputError(
             f"--devices {','.join(map(str, asked))}: no {' '.join(map(str, missing))} among the {where} "
-            f"({', '.join(map(str, available)) or 'none'})"
+            f"({', '.join(map(str, available))})"
         )
 
 
