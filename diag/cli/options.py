@@ -63,11 +63,16 @@ def check_trace(trace: str | None) -> None:
         check_target(trace, force=True)
 
 
+def _numbers(value: str) -> tuple[int, ...]:
+    """``3, 32,32`` → (3, 32, 32); () when any item is not plain ASCII digits."""
+    parts = [d.strip() for d in value.split(",")]
+    return tuple(int(d) for d in parts) if all(d.isascii() and d.isdigit() for d in parts) else ()
+
+
 def dims(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
     """``3,32,32`` → (3, 32, 32), parsed without importing torch (``--help`` and bad
     arguments answer at once)."""
-    parts = [d.strip() for d in value.split(",")]
-    dims = tuple(int(d) for d in parts) if all(d.isascii() and d.isdigit() for d in parts) else ()
+    dims = _numbers(value)
     if not dims or any(d < 1 for d in dims):
         raise click.BadParameter(
             f"bad shape {value!r}: expected positive integers like 3,32,32", ctx=ctx, param=param
@@ -178,24 +183,23 @@ def gpu_counts(ctx: click.Context, param: click.Parameter, value: str | None) ->
     """``1,2,4,8`` → (1, 2, 4, 8); None: what the machine has."""
     if value is None:
         return None
-    parts = [d.strip() for d in value.split(",")]
-    if not all(d.isascii() and d.isdigit() and int(d) > 0 for d in parts):
+    counts = _numbers(value)
+    if not counts or min(counts) < 1:
         raise click.BadParameter(
             f"bad GPU counts {value!r}: expected positive numbers like 2,4", ctx=ctx, param=param
         )
-    return tuple(int(d) for d in parts)
+    return counts
 
 
 def device_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     """``5,6`` → (5, 6), distinct; None: chosen by the command."""
     if value is None:
         return None
-    parts = [d.strip() for d in value.split(",")]
-    if not all(d.isascii() and d.isdigit() for d in parts):
+    ids = _numbers(value)
+    if not ids:
         raise click.BadParameter(
             f"bad device list {value!r}: expected numbers like 0,1", ctx=ctx, param=param
         )
-    ids = tuple(int(d) for d in parts)
     if len(set(ids)) != len(ids):
         raise click.BadParameter(f"each device once, got {value!r}", ctx=ctx, param=param)
     return ids
