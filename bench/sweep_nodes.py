@@ -30,18 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpudiag.repro.sweep.rehearse import Node, rehearse
+from gpudiag.repro.sweep.rehearse import LOOSE_RULES, Node, rehearse
 from gpudiag.repro.sweep.run import rejudge
 
 SEED = Path(__file__).resolve().parent.parent / "diag" / "examples" / "seed_8gpu_machine.json"
-RULES = {
-    "figures": {
-        "intra_busbw_gbps": {"min_fraction_of_median": 0.05},
-        "pair_busbw_gbps": {"min_fraction_of_median": 0.05},
-    },
-    "pair_slow_fraction": 0.05,
-    "judge_simulated_figures": True,
-}
 #: host → a code its verdict must carry.
 EXPECTED = {
     "node2": "node-link-corrupt",
@@ -79,7 +71,7 @@ def main() -> None:
             Node(f"node{i}", other if i == 6 else normal, extra.get(f"node{i}", []))
             for i in range(args.nodes)
         ]
-        (folder / "loose-rules.json").write_text(json.dumps(RULES))
+        (folder / "loose-rules.json").write_text(json.dumps(LOOSE_RULES))
         common = ["--quick", "--rules", "loose-rules.json", "--checks", args.checks]
         common += ["--expect-hosts", f"node[0-{args.nodes}]"]
         start = time.perf_counter()

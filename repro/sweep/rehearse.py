@@ -20,6 +20,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: The rules a rehearsal judges by. CPU figures on a shared 2-core machine vary up to
+#: fivefold between processes (measured: 0.097 against a median of 0.476 GB/s, a healthy
+#: node); a rehearsed slow node (0.5 s before each transfer) is ~100× slower, so figures
+#: count as low below 0.05 × — and figures of virtual devices are judged at all.
+LOOSE_RULES = {
+    "figures": {
+        "intra_busbw_gbps": {"min_fraction_of_median": 0.05},
+        "pair_busbw_gbps": {"min_fraction_of_median": 0.05},
+    },
+    "pair_slow_fraction": 0.05,
+    "judge_simulated_figures": True,
+}
+
 
 @dataclass
 class Node:
