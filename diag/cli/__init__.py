@@ -29,15 +29,42 @@ def stop_on_signals() -> None:
     """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, so the command
     unwinds: ranks are terminated and reaped, temporary files and folders removed, one
     line printed, exit 130 / 143. Signals arriving while it unwinds are ignored (every
-    cleanup step is bounded)."""
+    cleanup step is bounded).
+
+    A handler's exception raised where Python ignores exceptions (a ``__del__``, a weakref
+    callback, an at-fork hook: "Exception ignored in ...") would be lost with the signal
+    already ignored; :data:`sys.unraisablehook` sees it instead, arms the handler again
+    and has a helper thread send the signal to the main thread anew 10 ms later, once
+    that place is left (sent at once, the handler ran inside the hook itself and was lost
+    again). (The runtime also blocks the signals around its forks:
+    :func:`gpudiag.runtime.launch.signals_held`.)"""
+    import threading
+    import time
 
     def interrupt(signum: int, _frame: Any) -> None:
         for each in (signal.SIGINT, signal.SIGTERM):
             signal.signal(each, signal.SIG_IGN)
         raise Interrupted(signum)
 
+    earlier = sys.unraisablehook
+
+    def redeliver(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            earlier(unraisable)
+            return
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, interrupt)
+        signum, main = unraisable.exc_value.signum, threading.main_thread().ident or 0
+
+        def resend() -> None:
+            time.sleep(0.01)
+            signal.pthread_kill(main, signum)  # (the main thread's: it wakes a sleep there)
+
+        threading.Thread(target=resend, name="gpudiag-resend-signal", daemon=True).start()
+
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, interrupt)
+    sys.unraisablehook = redeliver
 
 
 def main() -> None:
