@@ -365,3 +365,24 @@ def test_an_expect_hosts_list_that_names_no_host_is_exit_2(tmp_path: Path, hosts
     _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
     result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--expect-hosts", hosts])
     assert result.exit_code == 2 and "--expect-hosts" in result.stderr, result.output
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_a_node_with_no_gpu_and_no_machine_file_is_never_healthy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpudiag.repro.sweep.node import Identity, SweepOptions, local_phase
+
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "bare")
+    alone = CliRunner().invoke(cli, ["sweep", "-o", str(tmp_path / "out"), "--quick"])
+    assert alone.exit_code == 3, alone.output
+    assert alone.stderr.count("\n") == 1 and "no CUDA GPU here" in alone.stderr
+    assert not (tmp_path / "out").exists()
+    # in a fleet (under torchrun) the node is judged with the others and named
+    ident = Identity(1, 2, 0, 1, "bare", True, 2)
+    record = local_phase(SweepOptions(quick=True, checks=("topology",)), ident, "gloo").record
+    assert record["gpus"] == 0 and record["simulated"] is False
+    verdict = judge([node(0, gpus=0, simulated=False), record])
+    assert by_host(verdict)["bare"].status == PROBLEM
+    assert "node-no-gpus" in codes(verdict, "bare") and "node-no-gpus" in codes(verdict, "node0")
+    assert verdict.exit_code == 1 and verdict.simulated is False

@@ -9,7 +9,8 @@ of expected figures per machine type is given):
   (``node-figure-low``) — one sort of the fleet's values, then the median without each
   node in O(1) (:func:`leave_one_out_medians`), so 10,000 nodes judge in milliseconds;
 - a version or topology different from the majority's, fewer GPUs than the most common
-  count (``node-version-differs``, ``node-topology-differs``, ``node-fewer-gpus``);
+  count (``node-version-differs``, ``node-topology-differs``, ``node-fewer-gpus``); no
+  GPU at all (``node-no-gpus``: nothing there was checked, so never healthy);
 - a local check that failed (``node-check-failed``), wrong values from the all-node
   all-reduce (``node-allreduce-wrong``), a rank that hung (``node-hung``, recorded by the run);
 - the pairwise link test (:func:`localise`): pairs of nodes in round 1; the nodes of a slow
@@ -337,6 +338,15 @@ def judge(
                 Problem(
                     "node-host-duplicate",
                     f"{hosts[str(rec['host'])]} nodes report the host name {rec['host']}",
+                )
+            )
+        if "gpus" in rec and rec["gpus"] == 0:
+            problems[i].append(
+                Problem(
+                    "node-no-gpus",
+                    "no GPU to check: torch sees no CUDA GPU there and no --machine was given",
+                    "≥ 1 GPU",
+                    0,
                 )
             )
         for check in rec.get("checks") or []:

@@ -215,7 +215,9 @@ def local_phase(options: SweepOptions, ident: Identity, backend: str) -> Local:
         },
     }
     names = sorted({str(g.name) for g in topology.gpus.values() if g.name}) if topology is not None else []
-    virtual = here.machine is not None or local_backend == "gloo"
+    # (a node with no GPU and no machine file measured nothing, simulated or not: the
+    # judge names it node-no-gpus)
+    virtual = gpus > 0 and (here.machine is not None or local_backend == "gloo")
     kind = names[0] if len(names) == 1 else ("mixed GPUs" if names else "GPU")
     record: dict[str, Any] = {
         "schema": NODE_SCHEMA,

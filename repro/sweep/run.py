@@ -98,15 +98,22 @@ def check_output(options: SweepOptions) -> Path:
     return check_target(options.output, force=options.force, folder=True, replaceable=not_a_sweep)
 
 
-def _backend(options: SweepOptions) -> str:
+def _backend(options: SweepOptions, ident: Identity) -> str:
     """``nccl`` with CUDA GPUs (and no machine file), else ``gloo``; ``--backend nccl``
-    without a CUDA GPU cannot run here (exit 3)."""
+    without a CUDA GPU cannot run here (exit 3), nor a sweep alone on a node with no GPU
+    and no machine file (nothing to check). Under torchrun such a node joins over gloo
+    and is named ``node-no-gpus`` with the fleet."""
     from gpudiag.errors import CannotRunHere
     from gpudiag.hw.cuda import cuda_device_count
 
     gpus = cuda_device_count()
     if options.backend == "nccl" and gpus < 1:
         raise CannotRunHere("--backend nccl needs a CUDA GPU on every node; none here (gloo runs on CPUs)")
+    if gpus < 1 and options.machine is None and not ident.torchrun:
+        raise CannotRunHere(
+            "no CUDA GPU here (torch sees none: check nvidia-smi) and no --machine: nothing to check "
+            "(a machine file rehearses a node on CPU virtual devices)"
+        )
     if options.backend != "auto":
         return options.backend
     return "nccl" if options.machine is None and gpus > 0 else "gloo"
@@ -172,7 +179,7 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     folder = check_output(options) if ident.rank == 0 else None
     if options.stall is not None and options.stall not in STALLABLE:
         raise InputError(f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)}")
-    backend = _backend(options)
+    backend = _backend(options, ident)
     scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
     started = time.perf_counter()
     try:
