@@ -386,3 +386,53 @@ def test_a_node_with_no_gpu_and_no_machine_file_is_never_healthy(
     assert by_host(verdict)["bare"].status == PROBLEM
     assert "node-no-gpus" in codes(verdict, "bare") and "node-no-gpus" in codes(verdict, "node0")
     assert verdict.exit_code == 1 and verdict.simulated is False
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_flight_recorder_dumps_land_in_the_node_bundle_and_the_scratch_folder_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zipfile
+
+    import gpudiag.repro.sweep.node as node_module
+    from gpudiag.repro.sweep.run import FLIGHT_RECORDER, SweepOptions, dump_flight_recorder, sweep
+
+    for name in (*FLIGHT_RECORDER, "RANK", "WORLD_SIZE", "MASTER_ADDR", "NCCL_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "solo")
+    seen: dict[str, str] = {}
+    real = node_module.intra_busbw
+
+    def collectives_that_dump(*args: Any) -> Any:  # where torch's watchdog would write its dump
+        seen.update({k: os.environ[k] for k in FLIGHT_RECORDER})
+        Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0").write_bytes(b"fake flight record")
+        return real(*args)
+
+    monkeypatch.setattr(node_module, "intra_busbw", collectives_that_dump)
+    seed = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+    doc = json.loads(seed.read_text())
+    doc["labels"], doc["gpus"], doc["matrix"] = (
+        doc["labels"][:2],
+        doc["gpus"][:2],
+        [["X", "NV4"], ["NV4", "X"]],
+    )
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    options = SweepOptions(
+        output=str(tmp_path / "out"), machine=str(tmp_path / "m.json"), quick=True, checks=("env",)
+    )
+    result = sweep(options)
+    prefix = seen["TORCH_FR_DUMP_TEMP_FILE"]
+    assert seen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix and Path(prefix).name == "nccl_trace_rank_"
+    assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == seen["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
+    assert seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == seen["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert seen["TORCH_NCCL_NAN_CHECK"] == "1"
+    assert not Path(prefix).parent.exists()  # the sweep's scratch folder is removed
+    assert not any(name in os.environ for name in FLIGHT_RECORDER)
+    with zipfile.ZipFile(tmp_path / "out" / "nodes" / "solo.zip") as bundle:
+        assert bundle.read("flight/nccl_trace_rank_0") == b"fake flight record"
+    assert result.exit_code == 0
+    # a hung collective: each rank dumps its own record (real torch, gloo's recorder)
+    written = dump_flight_recorder(tmp_path, 3, "gloo")
+    assert written == tmp_path / "nccl_trace_rank_3" and written.stat().st_size > 0
+    written.write_bytes(b"the watchdog's")
+    assert dump_flight_recorder(tmp_path, 3, "gloo") == written and written.read_bytes() == b"the watchdog's"

@@ -130,3 +130,5 @@ def test_a_rank_that_never_enters_a_collective_is_named(tmp_path: Path) -> None:
     assert out["rank0"].returncode == 1
     assert out["named"] == {"node1": ["node-hung"]}, out["summary"]
     assert "never entered allreduce-all" in out["summary"] and not out["run"]["finished"]
+    with zipfile.ZipFile(tmp_path / "sweep" / "nodes" / "node0.zip") as bundle:  # rank 0's own record
+        assert bundle.getinfo("flight/nccl_trace_rank_0").file_size > 0

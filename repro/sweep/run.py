@@ -20,12 +20,12 @@ node's *leader* and does the node's work, the others join the collectives):
 4. **Gather**: each leader's record and redacted report bundle (a zip written on the node)
    to rank 0 (``gather_object``); rank 0 judges and writes the sweep folder.
 
-Under NCCL the sweep pins ``NCCL_ALGO`` (default Ring) so figures compare, and turns on
-PyTorch's flight recorder (``TORCH_FR_BUFFER_SIZE``, ``TORCH_FR_DUMP_ON_TIMEOUT``,
-``TORCH_FR_DUMP_TEMP_FILE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
-``TORCH_NCCL_DUMP_ON_TIMEOUT``, ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` on a PyTorch that does
-not know those) and ``TORCH_NCCL_NAN_CHECK``; dumps go into the node's bundle
-(``flight/``). On gloo (CPU) these are set and have no effect; sweep.json says so.
+The sweep pins ``NCCL_ALGO`` (default Ring) so figures compare, and turns on PyTorch's
+flight recorder under both its names (:data:`FLIGHT_RECORDER`: ``TORCH_FR_*`` and
+``TORCH_NCCL_*``) with its dumps in the sweep's own temporary folder, and
+``TORCH_NCCL_NAN_CHECK``; dumps found there go into the node's bundle (``flight/``), and
+when one of the sweep's collectives hangs each rank dumps its record there itself
+(:func:`dump_flight_recorder`). On gloo (CPU) NCCL_ALGO and the NaN check have no effect.
 """
 
 from __future__ import annotations
@@ -62,30 +62,54 @@ from gpudiag.repro.sweep.results import (
 from gpudiag.repro.sweep.rules import load_baseline, load_rules
 
 __all__ = ["LOCAL_CHECKS", "SweepOptions", "SweepRun", "rejudge", "sweep"]
-#: Settings the sweep turns on for its own collectives (unless already set). Newer
-#: PyTorch reads the flight recorder's settings as ``TORCH_FR_*`` (the ``TORCH_NCCL_*``
-#: names still work there, with a deprecation warning per process group).
-FLIGHT_RECORDER_OLD = {
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{scratch}/nccl_trace_rank_",
-}
-FLIGHT_RECORDER_NEW = {
+#: Settings the sweep turns on for its own collectives (unless already set), before any
+#: process group exists. Both spellings of PyTorch's flight recorder, because PyTorch
+#: reads each setting under different names in different places (read in torch 2.15's
+#: headers, include/torch/csrc/distributed/c10d/):
+#:
+#: - FlightRecorder.hpp: the buffer is ``TORCH_FR_BUFFER_SIZE`` or (older name)
+#:   ``TORCH_NCCL_TRACE_BUFFER_SIZE``; dump-on-timeout ``TORCH_FR_DUMP_ON_TIMEOUT`` or
+#:   ``TORCH_NCCL_DUMP_ON_TIMEOUT``;
+#: - ProcessGroupNCCL.hpp: its watchdog reads only ``TORCH_NCCL_DUMP_ON_TIMEOUT`` and
+#:   ``TORCH_NCCL_TRACE_BUFFER_SIZE``, and ``TORCH_NCCL_NAN_CHECK``;
+#: - FlightRecorder.cpp (pytorch/pytorch, ``DebugInfoWriter::getWriter``): the dump goes
+#:   to ``<prefix><rank>``, the prefix from ``TORCH_FR_DUMP_TEMP_FILE`` or
+#:   ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``~/.cache/torch/comm_lib_trace_rank_``;
+#:   ``/tmp/nccl_trace_rank_`` and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` alone before 2.7).
+#:
+#: The first name set wins and the new one is read first, so setting both draws no
+#: deprecation warning. ``{scratch}``: the folder the sweep made for the run.
+FLIGHT_RECORDER = {
     "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_FR_DUMP_ON_TIMEOUT": "1",
-    "TORCH_FR_DUMP_TEMP_FILE": "{scratch}/nccl_trace_rank_",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_DUMP_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
+    "TORCH_NCCL_NAN_CHECK": "1",
 }
+DUMP_PREFIX = "nccl_trace_rank_"  # (the dump of rank R: <scratch>/nccl_trace_rank_R)
 
 
-def _knows_fr_names() -> bool:
-    """Whether this PyTorch reads ``TORCH_FR_BUFFER_SIZE`` (its distributed_c10d names it:
-    2.15 does), so the sweep sets the names it reads without a deprecation warning."""
-    import torch.distributed.distributed_c10d as c10d
-
+def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
+    """This rank's flight record written where the watchdog would write it
+    (``<scratch>/nccl_trace_rank_<rank>``), when a collective of the sweep hung: NCCL's own
+    dump comes only at the group's timeout, after rank 0 has written, and gloo makes none.
+    Through torch's private ``torch._C._distributed_c10d._dump_fr_trace(backend=...)``
+    (2.15; ``_dump_nccl_trace`` before), so best effort: None when absent or failing."""
+    path = scratch / f"{DUMP_PREFIX}{rank}"
+    if path.exists():  # (the watchdog's own)
+        return path
     try:
-        return "TORCH_FR_BUFFER_SIZE" in Path(c10d.__file__).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
+        import torch._C._distributed_c10d as c10d
+
+        names = ("_dump_fr_trace", "_dump_nccl_trace")  # (2.15; before)
+        dump = next(getattr(c10d, name) for name in names if hasattr(c10d, name))
+        data = dump(backend=backend) if dump.__name__ == "_dump_fr_trace" else dump()
+        path.write_bytes(bytes(data))
+    except Exception:
+        return None
+    return path
 
 
 def check_output(options: SweepOptions) -> Path:
@@ -124,9 +148,8 @@ def _pinned(scratch: Path) -> Iterator[dict[str, str]]:
     """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set) while
     active: before any process group exists, as PyTorch reads them when it creates one;
     what this process's environment was is restored after."""
-    recorder = FLIGHT_RECORDER_NEW if _knows_fr_names() else FLIGHT_RECORDER_OLD
-    wanted = {k: v.format(scratch=scratch) for k, v in recorder.items()}
-    wanted.update({"TORCH_NCCL_NAN_CHECK": "1", "NCCL_ALGO": "Ring"})
+    wanted = {k: v.format(scratch=scratch) for k, v in FLIGHT_RECORDER.items()}
+    wanted["NCCL_ALGO"] = "Ring"
     added = [k for k in wanted if k not in os.environ]
     for key in added:
         os.environ[key] = wanted[key]
@@ -224,7 +247,7 @@ def _node_files(out: Outcome, ident: Identity, scratch: Path) -> dict[str, bytes
     mine = out.records.get(ident.node, {})
     files = {"sweep/node.json": (json.dumps(mine, indent=1) + "\n").encode()}
     files.update(
-        {f"flight/{p.name}": p.read_bytes() for p in sorted(scratch.glob("nccl_trace_rank_*")) if p.is_file()}
+        {f"flight/{p.name}": p.read_bytes() for p in sorted(scratch.glob(f"{DUMP_PREFIX}*")) if p.is_file()}
     )
     return files
 
@@ -249,6 +272,7 @@ def _between(
         except CollectiveHung as exc:
             out.failure = exc
             out.stuck = b.progress.stuck(exc.name) if rank == 0 else []
+            dump_flight_recorder(scratch, rank, backend)  # (rank 0's goes into its bundle)
             raise
         return b""
 
@@ -297,8 +321,8 @@ def _finish(
             notes.append("no rank stands out as behind: every rank was in the same collective")
     if backend == "gloo":
         notes.append(
-            "gloo backend (CPU): NCCL_ALGO, the NCCL flight recorder's settings and TORCH_NCCL_NAN_CHECK "
-            "were set but gloo does not use them"
+            "gloo backend (CPU): NCCL_ALGO and TORCH_NCCL_NAN_CHECK were set but gloo does not use them "
+            "(the flight recorder records gloo's collectives too, on PyTorch ≥ 2.15)"
         )
     hosts, hosts_from = expected
     verdict = judge(records, expected_hosts=hosts, rules=rules, baseline=baseline, expected_nodes=ident.nodes)
