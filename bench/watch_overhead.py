@@ -15,16 +15,17 @@ rotates every step) so all see the same machine load:
 - ``plain``: DDP as users run it (no comm hook: the reducer's C++ all-reduce) — the baseline;
 - ``hooked``: DDP with torch's Python ``allreduce_hook``, for reference (what any Python
   comm hook costs before it does anything);
-- ``watched``: ``gpudiag.watch(ddp, comm_hook=True)`` — module hooks, output and gradient
-  witnesses, the runtime's bucket hook and statistics, the per-step MIN all-reduce and one
-  read-back;
-- ``watched-nohook``: ``gpudiag.watch(ddp, comm_hook=False)`` — the same, but DDP keeps its
-  C++ all-reduce and each parameter's gradient is summed as it arrives.
+- ``watched``: ``gpudiag.watch(ddp)`` as users call it — module hooks, output witnesses,
+  DDP's own C++ all-reduce with each rank's gradients witnessed in one pass before DDP's
+  finalize and once after, the per-step MIN all-reduce and one read-back;
+- ``watched-bucket``: ``gpudiag.watch(ddp, comm_hook=True)`` — the same, but through the
+  runtime's Python comm hook (torch's ``allreduce_hook`` plus each bucket's norm), the way
+  models with ``gradient_as_bucket_view=True`` are watched.
 
 A step is zero_grad, forward, loss, backward, optimizer step, and the loss read back (a
 host sync, as a training loop's logging does). Prints the median and the best step over
 ``--steps`` steps after ``--warmup`` (the best is what a loaded machine disturbs least) and,
-as its last line, ``watched/plain = R`` — gpudiag.watch's default (``comm_hook=True``)
+as its last line, ``watched/plain = R`` — gpudiag.watch's default
 against plain DDP as the median over steps of each round's ratio (the kinds of one round
 run back to back, so a load that comes and goes on a shared machine hits both sides of a
 ratio alike; the ratio of the medians is printed too), on CUDA the worst configuration's;
@@ -48,7 +49,7 @@ import gpudiag
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.wire import pack, unpack
 
-KINDS = ("plain", "hooked", "watched", "watched-nohook")
+KINDS = ("plain", "hooked", "watched", "watched-bucket")
 #: (model, global batch, image side) per device.
 CONFIGS = {
     "cpu": [("resnet18", 32, 64)],
@@ -77,9 +78,10 @@ def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], step
         ddp = DistributedDataParallel(model, device_ids=[rank] if device == "cuda" else None)
         if kind == "hooked":
             ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
-        elif kind.startswith("watched"):
-            hook = kind == "watched"
-            watchers.append(gpudiag.watch(ddp, "raise", record_dir=False, comm_hook=hook))
+        elif kind == "watched":
+            watchers.append(gpudiag.watch(ddp, "raise", record_dir=False))
+        elif kind == "watched-bucket":
+            watchers.append(gpudiag.watch(ddp, "raise", record_dir=False, comm_hook=True))
         models[kind] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, side, side, generator=g).chunk(world)[rank].to(target)
@@ -128,7 +130,7 @@ def main() -> None:
                 f"  {kind:14s} median {median[kind] * 1e3:.2f} ms/step, best {best[kind] * 1e3:.2f} "
                 f"over {args.steps} steps (rank 0)"
             )
-        for kind in ("hooked", "watched", "watched-nohook"):
+        for kind in KINDS[1:]:
             print(
                 f"  {kind}/plain = {median[kind] / median['plain']:.3f} "
                 f"(best/best {best[kind] / best['plain']:.3f})"

@@ -320,16 +320,14 @@ def test_callable_module_and_lazy_export() -> None:
 
 
 def _ddp_rank(
-    rank: int, world: int, mode: str, bad_rank: int, bad_step: int, folder: str, accumulate: int, hook: bool
+    rank: int, world: int, mode: str, bad_rank: int, bad_step: int, folder: str, accumulate: int, path: str
 ) -> bytes:
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.manual_seed(0)
     net = Net()
-    ddp = DistributedDataParallel(net)
+    ddp = _ddp_model(net, path)
     if bad_rank >= 0:
         poison(net.body[2].lin, lambda: rank == bad_rank and watcher.step == bad_step)
-    watcher = gpudiag.watch(ddp, mode, record_dir=folder, comm_hook=hook)
+    watcher = _ddp_watch(ddp, path, mode, record_dir=folder)
     g = torch.Generator().manual_seed(10 + rank)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     error = None
@@ -351,16 +349,36 @@ def _ddp_rank(
     return json.dumps({"report": report, "error": error, "steps": watcher.step}).encode()
 
 
+#: each way the watcher sees DDP gradients: (watch's comm_hook, DDP's gradient_as_bucket_view)
+GRAD_PATHS = {
+    "before-finalize": (None, False),  # the default
+    "bucket-hook": (True, False),
+    "tensor-hooks": (False, True),
+}
+
+
+def _ddp_model(net: nn.Module, path: str) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(net, gradient_as_bucket_view=GRAD_PATHS[path][1])
+
+
+def _ddp_watch(ddp: Any, path: str, mode: str, **kwargs: Any) -> Any:
+    watcher = gpudiag.watch(ddp, mode, comm_hook=GRAD_PATHS[path][0], **kwargs)
+    assert watcher.grad_path == path
+    return watcher
+
+
 def _ddp(
-    mode: str, bad_rank: int, bad_step: int, folder: Path, accumulate: int = 1, hook: bool = True
+    mode: str, bad_rank: int, bad_step: int, folder: Path, accumulate: int = 1, path: str = "before-finalize"
 ) -> list[dict[str, Any]]:
-    args = (mode, bad_rank, bad_step, str(folder), accumulate, hook)
+    args = (mode, bad_rank, bad_step, str(folder), accumulate, path)
     return [json.loads(bytes(b)) for b in launch(_ddp_rank, 2, args=args, timeout=120, method="fork")]
 
 
-@pytest.mark.parametrize("hook", [True, False], ids=["bucket-hook", "builtin-allreduce"])
-def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path, hook: bool) -> None:
-    results = _ddp("raise", 1, 3, tmp_path, hook=hook)
+@pytest.mark.parametrize("path", GRAD_PATHS)
+def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path, path: str) -> None:
+    results = _ddp("raise", 1, 3, tmp_path, path=path)
     for rank, result in enumerate(results):
         error = result["error"]
         assert error is not None, f"rank {rank} did not raise"
@@ -376,13 +394,13 @@ def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path, hook: boo
     assert sorted(read_records(tmp_path)) == ["watch-rank0.json", "watch-rank1.json"]
 
 
-@pytest.mark.parametrize("hook", [True, False], ids=["bucket-hook", "builtin-allreduce"])
-def test_ddp_clean_run_and_no_sync_accumulation(tmp_path: Path, hook: bool) -> None:
-    clean = _ddp("raise", -1, 0, tmp_path, accumulate=2, hook=hook)
+@pytest.mark.parametrize("path", GRAD_PATHS)
+def test_ddp_clean_run_and_no_sync_accumulation(tmp_path: Path, path: str) -> None:
+    clean = _ddp("raise", -1, 0, tmp_path, accumulate=2, path=path)
     assert [r["report"] for r in clean] == [None, None] and [r["steps"] for r in clean] == [12, 12]
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
     # a NaN in a no_sync micro-step (step 4 of 12) is agreed on at the next synchronised one
-    results = _ddp("record", 0, 4, tmp_path, accumulate=2, hook=hook)
+    results = _ddp("record", 0, 4, tmp_path, accumulate=2, path=path)
     for result in results:
         report = result["report"]
         assert (report["rank"], report["module"], report["step"]) == (0, "body.2.lin", 4)
@@ -509,6 +527,22 @@ def test_ddp_under_torchrun(tmp_path: Path) -> None:
         assert f"rank {rank}: non-finite value at step 2: arose on rank 1" in out.stdout
 
 
+def test_a_clean_cpu_forward_lets_go_of_what_it_kept_before_the_backward() -> None:
+    """On the CPU a forward is judged as it ends: a clean one keeps no module output into
+    the backward; a bad one is named there and then, and reported after the backward."""
+    net = Net()
+    poison(net.body[2].lin, lambda: watcher.step == 1)
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        out = net(torch.randn(2, 8))
+        assert watcher._trail == [] and watcher._inputs == [] and watcher._outputs[-1][1] is None
+        out.pow(2).mean().backward()
+        out = net(torch.randn(2, 8))
+        assert watcher._trail == [] and watcher._early is not None and watcher.report is None
+        out.pow(2).mean().backward()
+    assert watcher.report is not None
+    assert (watcher.report.step, watcher.report.module, watcher.report.phase) == (1, "body.2.lin", "forward")
+
+
 def test_forwards_without_backward_are_let_go() -> None:
     net = Net()
     with gpudiag.watch(net, record_dir=False) as watcher:
@@ -520,16 +554,14 @@ def test_forwards_without_backward_are_let_go() -> None:
         assert watcher.step == 1 and watcher.report is None
 
 
-@pytest.mark.parametrize("hook", [True, False], ids=["bucket-hook", "builtin-allreduce"])
-def test_ddp_backward_fault_on_one_rank(tmp_path: Path, hook: bool) -> None:
+@pytest.mark.parametrize("path", GRAD_PATHS)
+def test_ddp_backward_fault_on_one_rank(tmp_path: Path, path: str) -> None:
     def rank_fn(rank: int, world: int) -> bytes:
-        from torch.nn.parallel import DistributedDataParallel
-
         torch.manual_seed(0)
         net = Net()
         poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
-        ddp = DistributedDataParallel(net)
-        watcher = gpudiag.watch(ddp, "record", record_dir=False, comm_hook=hook)
+        ddp = _ddp_model(net, path)
+        watcher = _ddp_watch(ddp, path, "record", record_dir=False)
         for _ in range(4):
             ddp(torch.randn(4, 8)).pow(2).mean().backward()
             net.zero_grad()
@@ -571,7 +603,7 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives() -> None:
 
         torch.manual_seed(0)
         ddp = DistributedDataParallel(Net())
-        watcher = gpudiag.watch(ddp, "raise", record_dir=False)
+        watcher = gpudiag.watch(ddp, "raise", record_dir=False, comm_hook=True)
         assert watcher._comm is not None
         # the runtime's fault injection: what rank 1 receives at step 2 (runtime step 3) turns NaN
         watcher._comm.hook.faults = FaultPlan.parse(["0->1:nan@3x1"])
@@ -592,3 +624,93 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives() -> None:
             {"rank": 1, "own": False, "received": True},
         ]
         assert report["this_rank"] == rank
+
+
+def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_the_users_comm_hook() -> None:
+    """The default way (DDP's all-reduce left alone, here the user's own comm hook): what
+    rank 1 receives at step 2 turns NaN although both ranks' own gradients were finite."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net())
+        step = [0]
+
+        def corrupting(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+            buffer = bucket.buffer().div_(world)
+
+            def done(fut: Any) -> torch.Tensor:
+                out = fut.value()[0]
+                if rank == 1 and step[0] == 2:
+                    out[3] = float("nan")
+                return out
+
+            return dist.all_reduce(buffer, async_op=True).get_future().then(done)
+
+        ddp.register_comm_hook(None, corrupting)
+        watcher = gpudiag.watch(ddp, "raise", record_dir=False)
+        assert watcher.grad_path == "before-finalize" and watcher._comm is None
+        try:
+            for step[0] in range(4):
+                ddp(torch.randn(4, 8)).pow(2).mean().backward()
+                ddp.zero_grad()
+        except NonFiniteError as exc:
+            return json.dumps(exc.report.to_json()).encode()
+        return b"{}"
+
+    for rank, raw in enumerate(launch(rank_fn, 2, timeout=120, method="fork")):
+        report = json.loads(bytes(raw))
+        assert (report["rank"], report["step"], report["phase"]) == (1, 2, "all-reduce"), report
+        assert report["ranks"] == [
+            {"rank": 0, "own": False, "received": False},
+            {"rank": 1, "own": False, "received": True},
+        ]
+        assert report["this_rank"] == rank
+
+
+def test_ddp_callbacks_in_another_order_fall_back_to_a_hook_per_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If a torch ran DDP's finalize before the watcher's first end-of-backward callback,
+    the gradients read would be the all-reduced ones: the watcher sees that (no gradient
+    changed after its read), says so, and watches each gradient as it arrives from then on,
+    still naming the right rank."""
+    from gpudiag.watch.core import Watcher, _end_of_backward_callback
+
+    original = Watcher._end_of_backward
+
+    def late(self: Any) -> None:  # what a torch with the other order would do: run after DDP's
+        _end_of_backward_callback()(lambda: original(self))
+
+    monkeypatch.setattr(Watcher, "_end_of_backward", late)
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        import warnings
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        net = Net()
+        poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
+        ddp = DistributedDataParallel(net)
+        watcher = gpudiag.watch(ddp, "record", record_dir=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                ddp(torch.randn(4, 8)).pow(2).mean().backward()
+                net.zero_grad()
+        assert watcher.grad_path == "tensor-hooks"
+        assert sum("ran before the watcher's" in str(w.message) for w in caught) == 1
+        assert watcher.report is not None
+        return json.dumps(watcher.report.to_json()).encode()
+
+    for raw in launch(rank_fn, 2, timeout=120, method="fork"):
+        report = json.loads(bytes(raw))
+        assert (report["rank"], report["module"], report["step"], report["phase"]) == (
+            0,
+            "body.2.lin",
+            2,
+            "backward",
+        )

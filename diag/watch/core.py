@@ -7,11 +7,11 @@ Cost model (a clean step):
   bad, to name the first module whose output was non-finite;
 - the model's outputs get one float32 sum each (a witness: non-finite whenever any element
   is) and a gradient hook whose sum witnesses the gradient coming in from the loss;
-- gradients: under DDP, the runtime's :func:`~gpudiag.runtime.ddp.watch_hook` (torch's
-  ``allreduce_hook`` plus the norm of every bucket before the all-reduce; or, with
-  ``comm_hook=False``, a sum of each gradient as it arrives); a witness of what came back
-  is taken after backward; elsewhere (single device, DataParallel, ``no_sync``
-  micro-steps) one witness per parameter gradient (:func:`_grad_witness`);
+- gradients: under DDP, each rank's own gradients are witnessed in one pass at the end of
+  the backward, before DDP's finalize copies the all-reduced buckets over them (DDP keeps
+  its C++ all-reduce; :func:`_grad_path` names the other ways, for bucket-view gradients),
+  and what came back is witnessed after it; elsewhere (single device, DataParallel,
+  ``no_sync`` micro-steps) one witness per parameter gradient (:func:`_grad_witness`);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
   received non-finite from the all-reduce) is all-reduced (MIN) on the way, so every rank
@@ -58,7 +58,7 @@ MAX_FORWARDS = 8
 _INF = math.inf
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seen:
     """One module's forward call: what it got and gave (references, not copies)."""
 
@@ -98,6 +98,36 @@ class _Local:
     transfer: dict[str, Any] | None = None
     kind: str = "fault"
     blind: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _PreFinalize:
+    """A DDP step's own gradients read at the end of its backward, before DDP's finalize:
+    one witness per parameter, the gradients' in-place versions (to check that finalize
+    came after), and on the CPU the non-finite ones counted exactly."""
+
+    params: list[nn.Parameter]
+    witness: torch.Tensor
+    versions: list[tuple[torch.Tensor, int]]
+    bad: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+
+
+def _grad_path(ddp: Any, comm_hook: bool | None) -> str:
+    """How a DDP model's gradients are seen before the all-reduce:
+
+    - ``before-finalize`` (default when DDP keeps gradients apart from its buckets, i.e.
+      ``gradient_as_bucket_view=False``, torch's default): DDP keeps its C++ all-reduce (or
+      the user's comm hook); at the end of the backward, before DDP's finalize copies the
+      all-reduced buckets back, every gradient is still this rank's own — one fused pass;
+    - ``bucket-hook`` (``comm_hook=True``, or by default with bucket views, where the
+      all-reduce changes ``param.grad`` in place while the backward runs): the runtime's
+      comm hook, torch's ``allreduce_hook`` plus each bucket's norm before it;
+    - ``tensor-hooks`` (``comm_hook=False`` with bucket views): a Python hook per parameter.
+    """
+    views = bool(getattr(ddp, "gradient_as_bucket_view", True))
+    if comm_hook is True or (comm_hook is None and views):
+        return "bucket-hook"
+    return "tensor-hooks" if views else "before-finalize"
 
 
 @dataclass
@@ -166,22 +196,35 @@ def _bad_count(obj: Any) -> tuple[int, int]:
 
 def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One float32 value per gradient, non-finite whenever any of its elements is: the
-    norms in one multi-tensor launch on CUDA, float32 sums on the CPU (a sum is the
-    cheapest full pass there: 2.6 ms for resnet18's 62 gradients on one core, against
-    5.9 ms for :func:`norms_and_nonfinite`). A value that overflowed on finite elements is
-    found clean by the exact count taken only then."""
+    norms in one multi-tensor launch on CUDA, sums on the CPU (a sum is the cheapest full
+    pass there: 2.7 ms for resnet18's 62 gradients on one core, against 3.5 ms for
+    ``torch._foreach_norm`` and 3.4 ms for sums with ``dtype=float32``, which only
+    half-precision gradients need). A value that overflowed on finite elements is found
+    clean by the exact count taken only then."""
     if not tensors:
         return torch.zeros(0)
-    if tensors[0].is_cuda:
-        return torch.stack(
-            [n.reshape(()) for n in torch._foreach_norm([t.detach() for t in tensors])]
-        ).float()
-    return torch.stack([t.detach().sum(dtype=torch.float32).reshape(()) for t in tensors])
+    with torch.no_grad():
+        if tensors[0].is_cuda:
+            return torch.stack([n.reshape(()) for n in torch._foreach_norm(tensors)]).float()
+        return _witness(tensors)
 
 
 def _witness(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One float32 value per tensor, non-finite whenever any of its elements is."""
-    return torch.stack([t.detach().sum(dtype=torch.float32).reshape(()) for t in tensors])
+    with torch.no_grad():
+        return torch.stack([_sum32(t) for t in tensors])
+
+
+def _sum32(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's sum as a float32 scalar: float32 summed as it is, half precision
+    accumulated in float32, float64 summed then rounded, complex over its parts."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype == torch.float32:
+        return t.sum().reshape(())
+    if t.dtype == torch.float64:
+        return t.sum().float().reshape(())
+    return t.sum(dtype=torch.float32).reshape(())
 
 
 class Watcher:
@@ -196,7 +239,7 @@ class Watcher:
         root: nn.Module | None = None,
         record_dir: str | Path | bool | None = None,
         localize: bool = True,
-        comm_hook: bool = True,
+        comm_hook: bool | None = None,
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
@@ -265,7 +308,8 @@ class Watcher:
         self.events: list[NonFiniteReport] = []  # the fault and every GradScaler-skipped overflow
         self._handles: list[Any] = []
         self._trail: list[_Seen] = []
-        self._order: dict[str, int] = {}  # module path → first position in forward order
+        self._order: dict[str, int] = {}  # module path → first position in forward order (let-go forwards)
+        self._early: _Local | None = None  # a forward fault found as the forward ended (CPU)
         self._inputs: list[Any] = []
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
@@ -279,15 +323,24 @@ class Watcher:
         self._bad_params: list[tuple[int, str, int, int]] = []  # (bucket order, name, bad, numel)
         self._bucket_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self._local: _Local | None = None  # a no_sync micro-step's local fault, not yet agreed
+        self._pre_read: _PreFinalize | None = None  # this step's before-finalize read, while checked
 
         self._handles.append(model.register_forward_pre_hook(self._pre_root))
-        self._handles.append(model.register_forward_hook(self._post_root))
         if localize and not self.compiled:
             for path, module in self.inner.named_modules():
                 self._handles.append(module.register_forward_hook(self._module_hook(path)))
+        # after the module hooks: where the model is its own root, its output is kept first
+        self._handles.append(model.register_forward_hook(self._post_root))
         self._comm: _CommState | None = None
         self._param_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's sum)
-        if self.ddp is not None and comm_hook:
+        self._params = [p for p in self.inner.parameters() if p.requires_grad]
+        self._pre: _PreFinalize | None = None
+        #: how DDP gradients are seen before the all-reduce (see :func:`watch`): "before-finalize",
+        #: "bucket-hook" or "tensor-hooks"; "local" without DDP
+        self.grad_path = "local"
+        if self.ddp is not None:
+            self.grad_path = _grad_path(self.ddp, comm_hook)
+        if self.grad_path == "bucket-hook":
             state = HookState(self.group_rank, self.world)
             state.on_bucket = self._on_bucket
             self._comm = _CommState(state, self.group, weakref.ref(self))
@@ -299,10 +352,15 @@ class Watcher:
                     "gpudiag.watch registers a DDP communication hook, and this model has one already "
                     f"({exc}); watch the model before registering yours, or pass comm_hook=False"
                 ) from exc
-        elif self.ddp is not None:  # DDP's own C++ all-reduce; each gradient watched as it arrives
-            for p in self.inner.parameters():
-                if p.requires_grad:
-                    self._handles.append(p.register_hook(self._param_hook(p)))
+        elif self.grad_path == "tensor-hooks":
+            self._watch_each_gradient()
+
+    def _watch_each_gradient(self) -> None:
+        """DDP's own all-reduce, each parameter's gradient summed as it arrives (a Python
+        hook per parameter: the slowest way, for models whose gradients are bucket views)."""
+        self.grad_path = "tensor-hooks"
+        for p in self._params:
+            self._handles.append(p.register_hook(self._param_hook(p)))
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -313,7 +371,11 @@ class Watcher:
             if self.done or self._eval or not torch.is_grad_enabled() or len(trail) >= TRAIL_LIMIT:
                 return
             vdp = self.vdp
-            versions = tuple(_version(t) for t in _tensors(output))
+            versions: tuple[int, ...]
+            if isinstance(output, torch.Tensor):  # the usual case, without the generator
+                versions = (_version(output),) if output.is_floating_point() else ()
+            else:
+                versions = tuple(_version(t) for t in _tensors(output))
             trail.append(
                 _Seen(path, module, inputs, output, vdp.transport.replica if vdp else None, versions)
             )
@@ -330,10 +392,7 @@ class Watcher:
         ):
             # A new step, or forwards whose backward never came (evaluation with gradients
             # on, a skipped batch): what they kept is let go.
-            self._trail.clear()
-            self._inputs.clear()
-            self._outputs.clear()
-            self._out_grads.clear()
+            self._let_go()
             self._awaiting, self._forwards, self._only_eval = False, 1, True
         # A forward in eval mode (validation that forgot torch.no_grad) keeps nothing but its
         # output's witness: no module outputs, no inputs, no reference to its output.
@@ -356,17 +415,36 @@ class Watcher:
         if not tensors:
             return
         self._dirty = True
-        self._outputs.append((_witness(tensors), None if self._eval else output, name))
+        witness = _witness(tensors)
+        self._outputs.append((witness, None if self._eval else output, name))
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
                 t.register_hook(self._on_output_grad)
+        if not witness.is_cuda:
+            self._settle_forward(witness)
+
+    def _settle_forward(self, witness: torch.Tensor) -> None:
+        """On the CPU a witness is read without a sync: the forward is judged as it ends
+        (its fault named now, while its module outputs are at hand) and what it kept is let
+        go before the backward, so the allocator can reuse it. On CUDA that read would stall
+        the queue: the outputs are kept to the end of the backward and read only if a
+        witness read with everything else there is not finite."""
+        clean = bool(torch.isfinite(witness).all())
+        if not clean and self._early is None:
+            self._early = self._first_bad_output()
+        for seen in self._trail:
+            self._order.setdefault(seen.path, len(self._order))
+        self._trail.clear()
+        self._inputs.clear()
+        if clean:
+            self._outputs[-1] = (witness, None, self._outputs[-1][2])
 
     def _on_output_grad(self, grad: torch.Tensor | None) -> None:
         if self.done:
             return
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(grad.detach().sum(dtype=torch.float32).reshape(()))
+            self._out_grads.append(_sum32(grad.detach()))
         if not self._queued:
             self._queued = True
             # Runs once the backward is over; it queues the check behind DDP's own
@@ -374,14 +452,55 @@ class Watcher:
             _end_of_backward_callback()(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        """The first end-of-backward callback, queued as the backward reached the model's
+        outputs, so before DDP's own (its reducer queues ``finalize_backward`` once the last
+        bucket is ready, reducer.cpp): under ``before-finalize`` each rank's own gradients
+        are still in ``param.grad`` here, the all-reduced ones only in DDP's buckets."""
+        if (
+            self.grad_path == "before-finalize"
+            and not self.done
+            and not self.closed
+            and self.ddp.require_backward_grad_sync
+        ):
+            self._pre = self._read_before_finalize()
         _end_of_backward_callback()(self.after_backward)
+
+    def _read_before_finalize(self) -> "_PreFinalize":
+        """Each rank's own gradients, witnessed in one pass before DDP copies the all-reduced
+        values over them; on the CPU a non-finite one is counted exactly at once."""
+        params = [p for p in self._params if p.grad is not None]
+        grads: list[torch.Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        witness = _grad_witness(grads)
+        pre = _PreFinalize(params, witness, [(g, _version(g)) for g in grads])
+        if not witness.is_cuda:  # on the host already: name the bad ones while they are local
+            for p, g, v in zip(params, grads, witness.tolist(), strict=True):
+                if not math.isfinite(v) and (bad := int((~torch.isfinite(g)).sum())):
+                    pre.bad.append((p, bad))
+        return pre
+
+    def _finalize_came_after(self, pre: "_PreFinalize") -> bool:
+        """Whether DDP's finalize wrote the all-reduced gradients *after* this rank's own were
+        read (what ``before-finalize`` rests on): it copies into each used gradient in place,
+        so their in-place versions moved on. If none did, this torch orders its callbacks
+        otherwise: say so once, and watch each gradient as it arrives from the next step."""
+        if not pre.versions or any(_version(g) != v for g, v in pre.versions):
+            return True
+        warnings.warn(
+            "gpudiag.watch: DDP's end-of-backward work ran before the watcher's on this torch "
+            f"({torch.__version__}); from the next step each gradient is watched as it arrives "
+            "(slower), and this step's gradients are judged after the all-reduce only",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self._watch_each_gradient()
+        return False
 
     def _param_hook(self, param: torch.Tensor) -> Any:
         sums = self._param_sums
 
         def hook(grad: torch.Tensor) -> None:
             if not self.done:
-                sums.append((param, grad.detach().sum(dtype=torch.float32).reshape(1)))
+                sums.append((param, _sum32(grad.detach()).reshape(1)))
 
         return hook
 
@@ -412,8 +531,13 @@ class Watcher:
         if self.done or self.closed:
             return
         synced, self._synced = self._synced, False
-        if self.ddp is not None and self._comm is None:
+        pre, self._pre = self._pre, None
+        if self.grad_path == "tensor-hooks":
             synced = bool(self._param_sums) and self.ddp.require_backward_grad_sync
+        elif self.grad_path == "before-finalize":
+            synced = pre is not None
+            if pre is not None and not self._finalize_came_after(pre):
+                pre = _PreFinalize([], torch.zeros(0), [])
         pending = self._comm.hook.pending if self._comm is not None else []
         if self._comm is not None:
             self._comm.hook.pending = []
@@ -421,23 +545,24 @@ class Watcher:
             return
         self._dirty = False
         try:
-            if self.ddp is not None and synced and self._comm is not None:
+            if synced and self._comm is not None:
                 befores = [p.before[:1] for p in pending]
                 self._check_synced(befores, [p.result for p in pending if p.result is not None])
-            elif self.ddp is not None and synced:
+            elif synced and pre is not None:
+                self._pre_read = pre
+                self._check_synced([pre.witness], [p.grad for p in self._params if p.grad is not None])
+            elif synced:
                 befores = [w for _, w in self._param_sums]
-                self._check_synced(befores, [p.grad for p in self.inner.parameters() if p.grad is not None])
+                self._check_synced(befores, [p.grad for p in self._params if p.grad is not None])
             else:
                 self._check_local()
         finally:
             self._awaiting, self._forwards = False, 0
-            self._trail.clear()
-            self._inputs.clear()
-            self._outputs.clear()
-            self._out_grads.clear()
+            self._let_go()
             self._bad_params.clear()
             self._bucket_norms.clear()
             self._param_sums.clear()
+            self._pre_read = None
             self.step += 1
             if self._comm is not None:  # the runtime's fault plan counts steps from 1
                 self._comm.hook.step = self.step + 1
@@ -495,7 +620,7 @@ class Watcher:
         out_grads = flat[n_out : n_out + n_grad]
         local = self._local
         if local is None and math.isfinite(firsts[self.group_rank]):
-            seen = flat[n_out + n_grad : n_out + n_grad + len(befores)]
+            seen = flat[n_out + n_grad : n_out + n_grad + sum(b.numel() for b in befores)]
             local = self._diagnose(fwd, out_grads, self._synced_bad_grads(seen))
         got: _Local | None = None
         if math.isfinite(received[self.group_rank]):
@@ -518,6 +643,11 @@ class Watcher:
 
     def _synced_bad_grads(self, befores: list[float]) -> list[tuple[Any, int]]:
         """The parameters whose own (pre-all-reduce) gradients were non-finite."""
+        pre = self._pre_read
+        if pre is not None:  # before-finalize: counted already on the CPU, else by witness
+            if pre.bad or not pre.witness.is_cuda:
+                return list(pre.bad)
+            return [(p, -1) for p, v in zip(pre.params, befores, strict=True) if not math.isfinite(v)]
         if self._param_sums:  # no comm hook: each gradient's sum as it arrived
             return [
                 (p, -1) for (p, _), v in zip(self._param_sums, befores, strict=True) if not math.isfinite(v)
@@ -607,7 +737,18 @@ class Watcher:
             blind=list(self.blind),
         )
 
+    def _let_go(self) -> None:
+        """Forget what this step's forwards kept."""
+        self._trail.clear()
+        self._inputs.clear()
+        self._outputs.clear()
+        self._out_grads.clear()
+        self._order.clear()
+        self._early = None
+
     def _first_bad_output(self) -> _Local | None:
+        if self._early is not None:
+            return self._early
         for inputs in self._inputs:
             bad, total = _bad_count(inputs)
             if bad:
@@ -685,9 +826,9 @@ class Watcher:
     def _bad_gradient(self, bad_grads: list[tuple[Any, int]]) -> _Local:
         """The first module in backward order (the last in forward order) whose
         parameters' own gradients were non-finite."""
-        order: dict[str, int] = {}
-        for i, seen in enumerate(self._trail):
-            order.setdefault(seen.path, i)
+        order = dict(self._order)
+        for seen in self._trail:
+            order.setdefault(seen.path, len(order))
 
         def rank(item: tuple[Any, int]) -> tuple[int, int]:
             return order.get(self.owner.get(id(item[0]), ""), -1), self.index.get(id(item[0]), -1)
@@ -805,9 +946,7 @@ class Watcher:
         ref = _WATCHING.get(self.model)
         if ref is not None and ref() is self:
             del _WATCHING[self.model]
-        self._trail.clear()
-        self._inputs.clear()
-        self._outputs.clear()
+        self._let_go()
 
     def __enter__(self) -> "Watcher":
         return self
@@ -867,7 +1006,7 @@ def watch(
     root: nn.Module | None = None,
     record_dir: str | Path | bool | None = None,
     localize: bool = True,
-    comm_hook: bool = True,
+    comm_hook: bool | None = None,
 ) -> Watcher:
     """Watch ``model`` (a module, ``DistributedDataParallel``, ``nn.DataParallel``,
     ``VirtualDataParallel`` or ``torch.compile``\\ d) for the first non-finite value.
@@ -880,8 +1019,12 @@ def watch(
     wrappers). ``record_dir``: where ``watch-rank<R>.json`` goes on a fault (default
     ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``; False: none). ``localize=False`` keeps
     no module outputs (less memory; a forward fault is named at the model's output).
-    ``comm_hook=False`` (DDP): leave DDP's own C++ all-reduce alone and watch each
-    parameter's gradient as it arrives instead of each bucket (see docs/watch.md: cost).
+    ``comm_hook`` (DDP): None (default) leaves DDP's own C++ all-reduce (or your comm hook)
+    alone and reads each rank's gradients once at the end of the backward, before DDP's
+    finalize overwrites them — unless the model has ``gradient_as_bucket_view=True``, then
+    the watcher's comm hook; True: always the comm hook (torch's ``allreduce_hook`` plus
+    each bucket's norm); False: never a comm hook (with bucket views, a hook per
+    parameter). See docs/watch.md: cost.
 
     Create it after wrapping the model in DDP and before the first backward."""
     return Watcher(
