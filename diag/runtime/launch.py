@@ -228,14 +228,15 @@ def start(
     return ranks
 
 
-#: The signals that stop gpudiag (the CLI turns them into :class:`~gpudiag.errors.Interrupted`).
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+#: The signals whose handlers raise (the CLI's :class:`~gpudiag.errors.Interrupted`, the
+#: deadlines' SIGALRM), held across a fork.
+HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGALRM})
 
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM blocked (``pthread_sigmask``) while active, delivered when it
-    ends. Around a fork: a signal arriving just after it would run its handler inside
+    """SIGINT, SIGTERM and SIGALRM blocked (``pthread_sigmask``) while active, delivered
+    when it ends. Around a fork: a signal arriving just after it would run its handler inside
     Python's at-fork hooks (logging's ``_releaseLock``), where the exception the handler
     raises is printed as "Exception ignored" and lost (measured: 1 Ctrl-C in 10 under
     torchrun). Blocked, it waits in the kernel and is delivered as the mask is restored,
@@ -245,7 +246,7 @@ def signals_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
     try:
         yield
     finally:

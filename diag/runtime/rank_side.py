@@ -88,8 +88,8 @@ def rank_main(spec: RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] = 
     # rank must not keep the CLI's handler either: SIGTERM ends it at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # (a forked rank starts with both blocked: see launch.signals_held)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    # (a forked rank starts with them and SIGALRM blocked: see launch.signals_held)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGALRM})
     try:
         _leave_with_parent(spec.parent, folder)
         if spec.logs is not None:
