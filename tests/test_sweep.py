@@ -395,16 +395,23 @@ def test_flight_recorder_dumps_land_in_the_node_bundle_and_the_scratch_folder_go
     import zipfile
 
     import gpudiag.repro.sweep.node as node_module
-    from gpudiag.repro.sweep.run import FLIGHT_RECORDER, SweepOptions, dump_flight_recorder, sweep
+    from gpudiag.repro.sweep.run import (
+        FLIGHT_RECORDER,
+        FLIGHT_RECORDER_NCCL,
+        SweepOptions,
+        dump_flight_recorder,
+        flight_settings,
+        sweep,
+    )
 
-    for name in (*FLIGHT_RECORDER, "RANK", "WORLD_SIZE", "MASTER_ADDR", "NCCL_ALGO"):
+    for name in (*FLIGHT_RECORDER, *FLIGHT_RECORDER_NCCL, "RANK", "WORLD_SIZE", "MASTER_ADDR", "NCCL_ALGO"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GPUDIAG_HOSTNAME", "solo")
     seen: dict[str, str] = {}
     real = node_module.intra_busbw
 
     def collectives_that_dump(*args: Any) -> Any:  # where torch's watchdog would write its dump
-        seen.update({k: os.environ[k] for k in FLIGHT_RECORDER})
+        seen.update({k: os.environ[k] for k in (*FLIGHT_RECORDER, *FLIGHT_RECORDER_NCCL) if k in os.environ})
         Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0").write_bytes(b"fake flight record")
         return real(*args)
 
@@ -422,12 +429,15 @@ def test_flight_recorder_dumps_land_in_the_node_bundle_and_the_scratch_folder_go
     )
     result = sweep(options)
     prefix = seen["TORCH_FR_DUMP_TEMP_FILE"]
-    assert seen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix and Path(prefix).name == "nccl_trace_rank_"
-    assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == seen["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
-    assert seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == seen["TORCH_FR_BUFFER_SIZE"] == "2000"
-    assert seen["TORCH_NCCL_NAN_CHECK"] == "1"
+    assert Path(prefix).name == "nccl_trace_rank_" and seen["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert seen["TORCH_FR_DUMP_ON_TIMEOUT"] == seen["TORCH_NCCL_NAN_CHECK"] == "1"
+    assert not any(name in seen for name in FLIGHT_RECORDER_NCCL)  # gloo: no deprecation warnings
+    assert not any(name in os.environ for name in FLIGHT_RECORDER)  # (restored after)
+    nccl = flight_settings("nccl", Path("/s"))  # NCCL's watchdog reads only the older names
+    assert nccl["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == nccl["TORCH_FR_DUMP_TEMP_FILE"] == "/s/nccl_trace_rank_"
+    assert nccl["TORCH_NCCL_DUMP_ON_TIMEOUT"] == nccl["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
+    assert nccl["TORCH_NCCL_TRACE_BUFFER_SIZE"] == nccl["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert not Path(prefix).parent.exists()  # the sweep's scratch folder is removed
-    assert not any(name in os.environ for name in FLIGHT_RECORDER)
     with zipfile.ZipFile(tmp_path / "out" / "nodes" / "solo.zip") as bundle:
         assert bundle.read("flight/nccl_trace_rank_0") == b"fake flight record"
     assert result.exit_code == 0
@@ -436,3 +446,62 @@ def test_flight_recorder_dumps_land_in_the_node_bundle_and_the_scratch_folder_go
     assert written == tmp_path / "nccl_trace_rank_3" and written.stat().st_size > 0
     written.write_bytes(b"the watchdog's")
     assert dump_flight_recorder(tmp_path, 3, "gloo") == written and written.read_bytes() == b"the watchdog's"
+
+
+def _two_gpu_machine(folder: Path) -> Path:
+    seed = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+    doc = json.loads(seed.read_text())
+    doc["labels"], doc["gpus"], doc["matrix"] = (
+        doc["labels"][:2],
+        doc["gpus"][:2],
+        [["X", "NV4"], ["NV4", "X"]],
+    )
+    path = folder / "m2.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_quick_budget_is_a_deadline_phases_that_do_not_fit_are_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from gpudiag.repro.sweep.budget import WRITE_RESERVE_S, Budget
+    from gpudiag.repro.sweep.run import SweepOptions, sweep
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "prolog")
+    monkeypatch.setenv("GPUDIAG_SWEEP_BUDGET", "3")  # (tests only: --quick's budget is 50 s)
+    machine = _two_gpu_machine(tmp_path)
+    options = SweepOptions(output=str(tmp_path / "out"), machine=str(machine), quick=True)
+    began = time.monotonic()
+    result = sweep(options)
+    took = time.monotonic() - began
+    assert took < 3 + WRITE_RESERVE_S + 1.5, took  # (peer and nancheck alone take longer than that)
+    record = result.records[0]
+    statuses = {c["name"]: c["status"] for c in record["checks"]}
+    assert list(statuses) == ["env", "topology", "peer", "nancheck"]
+    assert "skipped" in statuses.values() and "fail" not in statuses.values(), statuses
+    assert any("skipped: --quick budget" in n for n in record["notes"]), record["notes"]
+    assert result.exit_code == 0 and _children() == []
+    summary = (tmp_path / "out" / "SUMMARY.md").read_text()
+    assert "prolog: " in summary and "skipped: --quick budget" in summary
+    assert Budget.for_quick(False).seconds is None and Budget.for_quick(True, {}).seconds == 50.0
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(InputError, match="GPUDIAG_SWEEP_BUDGET"):
+            Budget.for_quick(True, {"GPUDIAG_SWEEP_BUDGET": bad})

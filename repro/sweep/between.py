@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.errors import GpudiagError
+from gpudiag.repro.sweep.budget import SKIPPED, WRITE_RESERVE_S, Budget
 from gpudiag.repro.sweep.judge import first_round, judge_round, median, next_round, pair_figures, pair_rounds
 from gpudiag.repro.sweep.node import Identity, SweepOptions
 from gpudiag.repro.sweep.rules import load_rules
@@ -92,7 +93,14 @@ class Progress:
 class Between:
     """The collectives between nodes, each with a deadline and tracked progress."""
 
-    def __init__(self, ident: Identity, options: SweepOptions, backend: str):
+    def __init__(
+        self,
+        ident: Identity,
+        options: SweepOptions,
+        backend: str,
+        timeout: float | None = None,
+        budget: Budget | None = None,
+    ):
         import torch
         import torch.distributed as dist
 
@@ -102,7 +110,9 @@ class Between:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.progress = Progress(dist, ident.rank, ident.world)
-        self.deadline = datetime.timedelta(seconds=options.phase_timeout)
+        self.timeout = options.phase_timeout if timeout is None else timeout  # each collective's
+        self.deadline = datetime.timedelta(seconds=self.timeout)
+        self.budget = budget or Budget(None)
         #: Python objects (records, rounds, bundles) travel over gloo: under NCCL a side
         #: group on the CPU (as torch's monitored_barrier does), so they neither occupy the
         #: GPUs nor meet NCCL's watchdog, which tears the process down on a timeout.
@@ -136,7 +146,7 @@ class Between:
 
     def wait(self, work: Any) -> None:
         if not work.wait(timeout=self.deadline):
-            raise RuntimeError(f"no answer within {self.options.phase_timeout:g} s")
+            raise RuntimeError(f"no answer within {self.timeout:g} s")
 
     def all_gather(self, name: str, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.ident.world
@@ -250,11 +260,19 @@ def between_nodes(b: Between, record: dict[str, Any] | None, out: Outcome) -> No
             out.notes.append(f"pairwise link test stopped after {MAX_ROUNDS} rounds; nodes left untested")
             break
         entry = None
+        began = time.monotonic()
         groups = b.pair_groups(rnd, [(leaders[x], leaders[y]) for x, y in pairs])
         for (x, y), group in zip(pairs, groups, strict=True):
             if record is not None and ident.node in (x, y):
                 entry = b.pair_test(rnd, group, y if ident.node == x else x, faults)
-        for item in b.all_gather(f"gather-round{rnd}", None if entry is None else (ident.node, entry)):
+        mine = {
+            "entry": None if entry is None else (ident.node, entry),
+            "left": b.budget.left(),  # (every rank decides on the next round from the same numbers)
+            "took": time.monotonic() - began,
+        }
+        shared = b.all_gather(f"gather-round{rnd}", mine)
+        least, took = min(g["left"] for g in shared), max(g["took"] for g in shared)
+        for item in (g["entry"] for g in shared):
             if item is not None:
                 rec = out.records[item[0]]
                 rec["pairs"] = [*(rec.get("pairs") or []), item[1]]
@@ -268,3 +286,9 @@ def between_nodes(b: Between, record: dict[str, Any] | None, out: Outcome) -> No
         history[rnd] = judge_round(rounds.get(rnd, {}), float(rules["pair_slow_fraction"]), reference)
         pairs = next_round(list(leaders), history)
         rnd += 1
+        if pairs and least - WRITE_RESERVE_S < took:  # (the last round's time, again)
+            out.notes.append(
+                f"pairwise link test: round {rnd} {SKIPPED} ({max(0.0, least):.1f} s left on the node "
+                f"with the least; a round took {took:.1f} s); nodes left untested"
+            )
+            break

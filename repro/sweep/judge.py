@@ -333,6 +333,7 @@ def judge(
     hosts = Counter(str(r["host"]) for r in records)
     for i, rec in enumerate(records):
         problems[i] += [Problem(**p) for p in rec.get("problems") or []]
+        notes[i] += [str(n) for n in rec.get("notes") or []]  # (what the node skipped, and why)
         if hosts[str(rec["host"])] > 1:
             problems[i].append(
                 Problem(

@@ -6,11 +6,13 @@ bandwidth, run with torchrun's variables hidden so the checks start local ranks.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import math
 import os
 import struct
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any
 
 from gpudiag.errors import GpudiagError
 from gpudiag.identity import hostname
+from gpudiag.repro.sweep.budget import MIN_PHASE_S, SKIPPED, Budget, BudgetSpent, hard_stop
 from gpudiag.repro.sweep.results import NODE_SCHEMA
 
 LOCAL_CHECKS = ("env", "topology", "peer", "nancheck")
@@ -46,6 +49,9 @@ class SweepOptions:
     iters: int | None = None
     anonymize: bool = False
     argv: list[str] = field(default_factory=list)
+    #: seconds for the whole node (None: --quick's default, or $GPUDIAG_SWEEP_BUDGET; no
+    #: budget without --quick); see :mod:`gpudiag.repro.sweep.budget`
+    budget: float | None = None
 
     @property
     def phase_timeout(self) -> float:
@@ -143,10 +149,11 @@ def _busbw_rank(rank: int, world: int, nbytes: int, iters: int, delay: float, ba
     return struct.pack("<d", best)
 
 
-def intra_busbw(gpus: int, options: SweepOptions, backend: str) -> float | None:
+def intra_busbw(gpus: int, options: SweepOptions, backend: str, timeout: float | None = None) -> float | None:
     """The node's all-reduce bus bandwidth across its ``gpus`` in GB/s (nccl-tests' busbw:
     algbw × 2(n−1)/n; ``all_reduce_perf -b N -e N``) from the fastest of ``iters`` timed
-    all-reduces (the slowest rank's), None with fewer than 2."""
+    all-reduces (the slowest rank's), None with fewer than 2. ``timeout``: seconds
+    (default: the phase's)."""
     if gpus < 2:
         return None
     from gpudiag.runtime import launch
@@ -155,11 +162,46 @@ def intra_busbw(gpus: int, options: SweepOptions, backend: str) -> float | None:
         _busbw_rank,
         gpus,
         backend=backend,
-        timeout=options.phase_timeout,
+        timeout=options.phase_timeout if timeout is None else timeout,
         args=(options.nbytes, options.repeats, options.delay, backend),
     )
     seconds = max(struct.unpack("<d", bytes(r[:8]))[0] for r in results)
     return options.nbytes / seconds * 2 * (gpus - 1) / gpus / 1e9
+
+
+def _run_checks(here: Any, options: SweepOptions, budget: Budget, alone: bool, notes: list[str]) -> Any:
+    """The node's checks as one report (:func:`gpudiag.repro.report.run_report`); under a
+    bounded budget one check at a time, each started only with time left and stopped when
+    the local share is spent (then it, and every check after it, is ``skipped``)."""
+    from gpudiag.checks.suite import CheckRun
+    from gpudiag.repro.report import Report, run_report
+
+    inputs = {"input_shape": [3, 8, 8]} if options.quick else None
+
+    def run(names: list[str]) -> Any:
+        return run_report(here, names, inject=options.inject, inputs=inputs, argv=list(options.argv))
+
+    if not budget.bounded:
+        return run(list(options.checks))
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    report = Report([], here, created, list(options.argv) or ["gpudiag", *sys.argv[1:]])
+    for name in options.checks:
+        left = budget.local_left(alone)
+        if left < MIN_PHASE_S:
+            notes.append(budget.skip_note(f"check {name}", left))
+            report.checks.append(CheckRun(name, "skipped", budget.skip_note("", left).strip(), None))
+            continue
+        try:
+            with hard_stop(left):
+                part = run([name])
+        except BudgetSpent:
+            note = f"check {name} stopped after {left:.1f} s: {SKIPPED}"
+            notes.append(note)
+            report.checks.append(CheckRun(name, "skipped", note, None))
+            continue
+        report.checks += part.checks
+        report.files.update(part.files)
+    return report
 
 
 @dataclass
@@ -170,33 +212,41 @@ class Local:
     report: Any
 
 
-def local_phase(options: SweepOptions, ident: Identity, backend: str) -> Local:
-    """The node's own checks and figures, with torchrun's group hidden."""
+def local_phase(options: SweepOptions, ident: Identity, backend: str, budget: Budget | None = None) -> Local:
+    """The node's own checks and figures, with torchrun's group hidden. Under a
+    ``budget`` (``--quick``) each check and the all-reduce start only while the local share
+    lasts, and a check still running when it is spent is stopped (skipped, with a note)."""
     from gpudiag.checks.suite import Here
-    from gpudiag.repro.report import run_report
 
+    budget = budget or Budget(None)
     start = time.perf_counter()
     problems: list[dict[str, Any]] = []
+    notes: list[str] = []
     with hidden_torchrun():
         here = Here.detect(options.machine)
-        inputs = {"input_shape": [3, 8, 8]} if options.quick else None
-        report = run_report(
-            here, list(options.checks), inject=options.inject, inputs=inputs, argv=list(options.argv)
-        )
+        report = _run_checks(here, options, budget, not ident.torchrun, notes)
         gpus = len(here.gpus)
         local_backend = "gloo" if here.machine is not None or backend == "gloo" else "nccl"
-        try:
-            intra = intra_busbw(gpus, options, local_backend)
-        except GpudiagError as exc:
-            intra = None
-            problems.append(
-                {
-                    "code": "node-check-failed",
-                    "message": f"intra-node all-reduce: {exc}",
-                    "expected": "a figure",
-                    "measured": None,
-                }
-            )
+        left = budget.local_left(not ident.torchrun)
+        intra = None
+        if gpus >= 2 and left < MIN_PHASE_S:
+            notes.append(budget.skip_note("intra-node all-reduce", left))
+        else:
+            try:
+                intra = intra_busbw(gpus, options, local_backend, min(options.phase_timeout, left))
+            except GpudiagError as exc:
+                capped = budget.bounded and left < options.phase_timeout
+                if capped and getattr(exc, "code", None) == "rank-hung":
+                    notes.append(f"intra-node all-reduce stopped: {SKIPPED} ({left:.1f} s were left)")
+                else:
+                    problems.append(
+                        {
+                            "code": "node-check-failed",
+                            "message": f"intra-node all-reduce: {exc}",
+                            "expected": "a figure",
+                            "measured": None,
+                        }
+                    )
     topology = here.machine
     if topology is None and here.nvml is None:
         with contextlib.suppress(GpudiagError):
@@ -247,6 +297,7 @@ def local_phase(options: SweepOptions, ident: Identity, backend: str) -> Local:
         "allreduce": None,
         "pairs": [],
         "problems": problems,
+        "notes": notes,
         "injected": list(options.inject),
         "delay_s": options.delay or None,
         "seconds": {"local": round(time.perf_counter() - start, 3)},

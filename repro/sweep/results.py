@@ -58,6 +58,7 @@ def check_record(data: Any, where: str) -> dict[str, Any]:
         ("figures", dict),
         ("versions", dict),
         ("problems", list),
+        ("notes", list),
     ):
         if key in data and data[key] is not None and not isinstance(data[key], kind):
             raise InputError(f"{where}: {key} must be a {kind.__name__}")
@@ -65,6 +66,8 @@ def check_record(data: Any, where: str) -> dict[str, Any]:
     for pair in data.get("pairs") or []:
         if not isinstance(pair, dict) or not all(isinstance(pair.get(k), int) for k in ("round", "peer")):
             raise InputError(f"{where}: each pair test needs integer round and peer")
+    if not all(isinstance(n, str) for n in data.get("notes") or []):
+        raise InputError(f"{where}: notes must be strings")
     for problem in data.get("problems") or []:
         if not isinstance(problem, dict) or set(problem) - {"code", "message", "expected", "measured"}:
             raise InputError(f"{where}: a problem has code, message, expected, measured")

@@ -21,8 +21,8 @@ node's *leader* and does the node's work, the others join the collectives):
    to rank 0 (``gather_object``); rank 0 judges and writes the sweep folder.
 
 The sweep pins ``NCCL_ALGO`` (default Ring) so figures compare, and turns on PyTorch's
-flight recorder under both its names (:data:`FLIGHT_RECORDER`: ``TORCH_FR_*`` and
-``TORCH_NCCL_*``) with its dumps in the sweep's own temporary folder, and
+flight recorder (:data:`FLIGHT_RECORDER`; under NCCL also its older ``TORCH_NCCL_*``
+names, which NCCL's watchdog reads) with its dumps in the sweep's own temporary folder, and
 ``TORCH_NCCL_NAN_CHECK``; dumps found there go into the node's bundle (``flight/``), and
 when one of the sweep's collectives hangs each rank dumps its record there itself
 (:func:`dump_flight_recorder`). On gloo (CPU) NCCL_ALGO and the NaN check have no effect.
@@ -46,6 +46,7 @@ from typing import Any
 
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.between import STALLABLE, Between, CollectiveHung, Outcome, between_nodes
+from gpudiag.repro.sweep.budget import Budget
 from gpudiag.repro.sweep.hosts import expected_hosts
 from gpudiag.repro.sweep.judge import FleetVerdict, judge
 from gpudiag.repro.sweep.node import LOCAL_CHECKS, Identity, Local, SweepOptions, local_phase
@@ -63,31 +64,43 @@ from gpudiag.repro.sweep.rules import load_baseline, load_rules
 
 __all__ = ["LOCAL_CHECKS", "SweepOptions", "SweepRun", "rejudge", "sweep"]
 #: Settings the sweep turns on for its own collectives (unless already set), before any
-#: process group exists. Both spellings of PyTorch's flight recorder, because PyTorch
-#: reads each setting under different names in different places (read in torch 2.15's
-#: headers, include/torch/csrc/distributed/c10d/):
+#: process group exists: PyTorch's flight recorder, with its dumps in the sweep's own
+#: folder (``{scratch}``), and NCCL's NaN check. PyTorch reads each under different names
+#: in different places (read in torch 2.15's headers, include/torch/csrc/distributed/c10d/):
 #:
 #: - FlightRecorder.hpp: the buffer is ``TORCH_FR_BUFFER_SIZE`` or (older name)
 #:   ``TORCH_NCCL_TRACE_BUFFER_SIZE``; dump-on-timeout ``TORCH_FR_DUMP_ON_TIMEOUT`` or
-#:   ``TORCH_NCCL_DUMP_ON_TIMEOUT``;
+#:   ``TORCH_NCCL_DUMP_ON_TIMEOUT`` — gloo's recorder and NCCL's;
 #: - ProcessGroupNCCL.hpp: its watchdog reads only ``TORCH_NCCL_DUMP_ON_TIMEOUT`` and
-#:   ``TORCH_NCCL_TRACE_BUFFER_SIZE``, and ``TORCH_NCCL_NAN_CHECK``;
+#:   ``TORCH_NCCL_TRACE_BUFFER_SIZE`` ("must be set together"), and ``TORCH_NCCL_NAN_CHECK``;
 #: - FlightRecorder.cpp (pytorch/pytorch, ``DebugInfoWriter::getWriter``): the dump goes
 #:   to ``<prefix><rank>``, the prefix from ``TORCH_FR_DUMP_TEMP_FILE`` or
 #:   ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``~/.cache/torch/comm_lib_trace_rank_``;
-#:   ``/tmp/nccl_trace_rank_`` and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` alone before 2.7).
+#:   older releases read ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` alone, default
+#:   ``/tmp/nccl_trace_rank_``).
 #:
-#: The first name set wins and the new one is read first, so setting both draws no
-#: deprecation warning. ``{scratch}``: the folder the sweep made for the run.
+#: Utils.hpp's ``getCvar*`` warns once per process ("is deprecated; use TORCH_FR_...")
+#: whenever an older name of a list is set, even beside the new one: so the older names
+#: (:data:`FLIGHT_RECORDER_NCCL`) are set only for NCCL runs, whose watchdog needs them.
 FLIGHT_RECORDER = {
     "TORCH_FR_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_FR_DUMP_ON_TIMEOUT": "1",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     "TORCH_FR_DUMP_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
     "TORCH_NCCL_NAN_CHECK": "1",
 }
+FLIGHT_RECORDER_NCCL = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
+}
+
+
+def flight_settings(backend: str, scratch: Path) -> dict[str, str]:
+    """The variables :func:`sweep` sets for ``backend`` (before the user's own win)."""
+    recorder = {**FLIGHT_RECORDER, **(FLIGHT_RECORDER_NCCL if backend == "nccl" else {})}
+    return {**{k: v.format(scratch=scratch) for k, v in recorder.items()}, "NCCL_ALGO": "Ring"}
+
+
 DUMP_PREFIX = "nccl_trace_rank_"  # (the dump of rank R: <scratch>/nccl_trace_rank_R)
 
 
@@ -144,12 +157,11 @@ def _backend(options: SweepOptions, ident: Identity) -> str:
 
 
 @contextlib.contextmanager
-def _pinned(scratch: Path) -> Iterator[dict[str, str]]:
+def _pinned(scratch: Path, backend: str) -> Iterator[dict[str, str]]:
     """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set) while
     active: before any process group exists, as PyTorch reads them when it creates one;
     what this process's environment was is restored after."""
-    wanted = {k: v.format(scratch=scratch) for k, v in FLIGHT_RECORDER.items()}
-    wanted["NCCL_ALGO"] = "Ring"
+    wanted = flight_settings(backend, scratch)
     added = [k for k in wanted if k not in os.environ]
     for key in added:
         os.environ[key] = wanted[key]
@@ -203,12 +215,13 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     if options.stall is not None and options.stall not in STALLABLE:
         raise InputError(f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)}")
     backend = _backend(options, ident)
+    budget = Budget.for_quick(options.quick) if options.budget is None else Budget(options.budget)
     scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
     started = time.perf_counter()
     try:
-        with _pinned(scratch) as pinned:
+        with _pinned(scratch, backend) as pinned:
             judged = (rules, baseline, hosts, hosts_from, folder)
-            return _run(options, ident, backend, scratch, pinned, started, judged)
+            return _run(options, ident, backend, scratch, pinned, started, judged, budget)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -221,17 +234,18 @@ def _run(
     pinned: dict[str, str],
     started: float,
     judged: tuple[Any, ...],
+    budget: Budget,
 ) -> SweepRun:
     """The local phase, the between-node phase (under torchrun), then rank 0's verdict."""
     rules, baseline, hosts, hosts_from, folder = judged
-    local = local_phase(options, ident, backend) if ident.leader else None
+    local = local_phase(options, ident, backend, budget) if ident.leader else None
     out = Outcome()
     if local is not None:
         out.records = {ident.node: local.record}
     if not ident.torchrun:  # a fleet of one: nothing between nodes
         out.notes.append("not under torchrun: a fleet of one node (no between-node tests to compare with)")
     else:
-        _between(options, ident, backend, local, out, scratch)
+        _between(options, ident, backend, local, out, scratch, budget)
     if ident.rank != 0:
         return SweepRun(None, [], {}, None, ident)
     if local is not None and ident.host not in out.bundles:  # (alone, or the gather failed)
@@ -253,14 +267,23 @@ def _node_files(out: Outcome, ident: Identity, scratch: Path) -> dict[str, bytes
 
 
 def _between(
-    options: SweepOptions, ident: Identity, backend: str, local: Local | None, out: Outcome, scratch: Path
+    options: SweepOptions,
+    ident: Identity,
+    backend: str,
+    local: Local | None,
+    out: Outcome,
+    scratch: Path,
+    budget: Budget,
 ) -> None:
     """Join the torchrun group through the runtime and run the between-node phase; each
-    leader's bundle goes to rank 0 last (``gather_object``)."""
+    leader's bundle goes to rank 0 last (``gather_object``). Each collective's deadline is
+    the phase's, capped by what is left of a ``--quick`` budget."""
     from gpudiag.runtime import RankFailure, launch
 
+    deadline = budget.cap(options.phase_timeout)
+
     def rank_fn(rank: int, world: int) -> bytes:
-        b = Between(ident, options, backend)
+        b = Between(ident, options, backend, deadline, budget)
         try:
             between_nodes(b, None if local is None else local.record, out)
             payload = None
@@ -279,7 +302,7 @@ def _between(
     try:
         # (under NCCL the group's own timeout, at which its watchdog ends the process, is
         # twice the collectives' deadline: rank 0 names the hung rank and writes first)
-        timeout = options.phase_timeout * (2 if backend == "nccl" else 1)
+        timeout = deadline * (2 if backend == "nccl" else 1)
         launch(rank_fn, ident.world, backend=backend, timeout=timeout)
     except (CollectiveHung, RankFailure, RuntimeError) as exc:  # (joining the group timed out)
         if out.failure is None:
