@@ -595,6 +595,41 @@ def test_single_cuda_device_names_module_and_step() -> None:
     assert (report.step, report.module, report.phase, report.device) == (2, "body.2.lin", "forward", "cuda:0")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["before-finalize", "bucket-hook"])
+def test_ddp_on_cuda_over_nccl_names_module_step_and_phase(path: str) -> None:
+    """One NCCL rank: a forward fault at step 1 and, in a second model, a backward fault
+    at step 2, each named — the CUDA witnesses (multi-tensor norms) read once per step."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        found = []
+        for kind, step in (("output", 1), ("grad", 2)):
+            torch.manual_seed(0)
+            net = Net().cuda()
+            target = net.body[2].lin if kind == "output" else net.body[2].norm
+            box: dict[str, Any] = {}
+            poison(target, lambda step=step, box=box: box["watcher"].step == step, kind=kind)
+            ddp = _ddp_model(net, path)
+            watcher = box["watcher"] = _ddp_watch(ddp, path, "record", record_dir=False)
+            for _ in range(4):
+                ddp(torch.randn(4, 8, device="cuda")).pow(2).mean().backward()
+                net.zero_grad()
+            assert watcher.report is not None
+            found.append(watcher.report.to_json())
+            watcher.close()
+        return json.dumps(found).encode()
+
+    (raw,) = launch(rank_fn, 1, backend="nccl", timeout=300)
+    forward, backward = json.loads(bytes(raw))
+    assert (forward["module"], forward["step"], forward["phase"], forward["device"]) == (
+        "body.2.lin",
+        1,
+        "forward",
+        "cuda:0",
+    )
+    assert (backward["module"], backward["step"], backward["phase"]) == ("body.2.lin", 2, "backward")
+
+
 def test_ddp_all_reduce_that_corrupts_what_one_rank_receives() -> None:
     def rank_fn(rank: int, world: int) -> bytes:
         from torch.nn.parallel import DistributedDataParallel
