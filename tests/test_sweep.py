@@ -505,3 +505,24 @@ def test_quick_budget_is_a_deadline_phases_that_do_not_fit_are_skipped(
     for bad in ("0", "-1", "nan", "soon"):
         with pytest.raises(InputError, match="GPUDIAG_SWEEP_BUDGET"):
             Budget.for_quick(True, {"GPUDIAG_SWEEP_BUDGET": bad})
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_a_check_still_running_when_the_budget_is_spent_is_stopped_not_failed(tmp_path: Path) -> None:
+    import time
+
+    from gpudiag.checks.suite import Here
+    from gpudiag.repro.sweep.budget import WRITE_RESERVE_S, Budget
+    from gpudiag.repro.sweep.node import SweepOptions, _run_checks
+
+    here = Here.detect(str(_two_gpu_machine(tmp_path)))
+    notes: list[str] = []
+    budget = Budget(WRITE_RESERVE_S + 1.0)  # alone: 1 s for the node's own checks
+    began = time.monotonic()
+    report = _run_checks(here, SweepOptions(quick=True, checks=("nancheck", "env")), budget, True, notes)
+    took = time.monotonic() - began
+    assert took < 2.5, took  # (nancheck alone takes 3-6 s here)
+    assert [(c.name, c.status) for c in report.checks] == [("nancheck", "skipped"), ("env", "skipped")]
+    assert notes[0].startswith("check nancheck stopped after") and "skipped: --quick budget" in notes[0]
+    assert "check env skipped: --quick budget" in notes[1]
+    assert _children() == []
