@@ -526,3 +526,50 @@ def test_a_check_still_running_when_the_budget_is_spent_is_stopped_not_failed(tm
     assert notes[0].startswith("check nancheck stopped after") and "skipped: --quick budget" in notes[0]
     assert "check env skipped: --quick budget" in notes[1]
     assert _children() == []
+
+
+def _every_written_byte(folder: Path) -> dict[str, bytes]:
+    """Each file under ``folder`` by name, a zip's members read out."""
+    import zipfile
+
+    out = {}
+    for path in folder.rglob("*"):
+        if path.is_file():
+            out[str(path)] = path.read_bytes()
+            if path.suffix == ".zip":
+                with zipfile.ZipFile(path) as bundle:
+                    out.update({f"{path}:{name}": bundle.read(name) for name in bundle.namelist()})
+    return out
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_anonymize_masks_user_and_host_in_path_valued_variables_in_every_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpudiag.redact import _user
+    from gpudiag.repro.sweep.run import SweepOptions, sweep
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    user = _user()
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "rack7-n3")
+    path = f"/home/{user}/runs/rack7-n3/nccl.%h.%p.log"
+    monkeypatch.setenv("NCCL_DEBUG_FILE", path)
+    monkeypatch.setenv("NCCL_TOPO_DUMP_FILE", f"/scratch/{user}/topo.xml")
+    monkeypatch.setenv("TORCH_COMPILE_DEBUG_DIR", f"/scratch/{user}/compile")
+    options = SweepOptions(
+        output=str(tmp_path / "out"),
+        machine=str(_two_gpu_machine(tmp_path)),
+        quick=True,
+        checks=("env",),
+        anonymize=True,
+    )
+    result = sweep(options)
+    files = _every_written_byte(tmp_path / "out")
+    assert any(name.endswith("results.jsonl") for name in files) and any(":report.json" in n for n in files)
+    for name, data in files.items():
+        for leak in (path, f"/home/{user}", f"/scratch/{user}", "runs/rack7-n3"):
+            assert leak.encode() not in data, (name, leak)
+    record = result.records[0]
+    assert record["host"] == "rack7-n3"  # (the verdict still names the node)
+    assert record["host_facts"]["nccl_env"]["NCCL_DEBUG_FILE"] == "/home/<user>/runs/<host>/nccl.%h.%p.log"

@@ -92,7 +92,10 @@ def _render(verdict: Any, records: Any, run: Any, fmt: str) -> None:
     help="Timed all-reduces per bandwidth test (default 10, 3 with --quick).",
 )
 @click.option(
-    "--anonymize", is_flag=True, help="Also mask host names, IPs and user names in the node bundles."
+    "--anonymize",
+    is_flag=True,
+    help="Also mask host names, IPs and user names in the node bundles and in every value of the "
+    "results (paths in NCCL_* variables, the command); each node's own host name still names it.",
 )
 @inject_option(
     "Rehearse a fault on this node: SRC->DST:KIND (GPUs in its own checks, node numbers between "

@@ -302,4 +302,17 @@ def local_phase(options: SweepOptions, ident: Identity, backend: str, budget: Bu
         "delay_s": options.delay or None,
         "seconds": {"local": round(time.perf_counter() - start, 3)},
     }
-    return Local(record, report)
+    return Local(redacted_record(record, options.anonymize), report)
+
+
+def redacted_record(record: dict[str, Any], anonymize: bool) -> dict[str, Any]:
+    """The record as it leaves the node: secrets redacted with this node's
+    :class:`~gpudiag.redact.Redactor` (as its bundle is), and with ``anonymize`` its user
+    name, host name and addresses masked wherever they appear in values (the paths of
+    ``NCCL_DEBUG_FILE``, ``NCCL_TOPO_DUMP_FILE``…) — all but the record's own ``host``,
+    which names the node in the verdicts."""
+    from gpudiag.redact import Redactor
+
+    clean: dict[str, Any] = Redactor(anonymize=anonymize).data(record)
+    clean["host"] = record["host"]
+    return clean

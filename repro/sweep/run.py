@@ -378,6 +378,11 @@ def _finish(
         "finished": out.failure is None,
         "notes": notes,
     }
+    if options.anonymize:  # (the records were anonymized on their nodes; the hosts expected stay)
+        from gpudiag.redact import Redactor
+
+        masked = Redactor(anonymize=True)
+        run.update({key: masked.data(run[key]) for key in ("command", "pinned", "notes")})
     if folder is not None:
         write_sweep(folder, records, run, rules, verdict, out.bundles, force=options.force)
     return SweepRun(verdict, records, run, folder, ident)
