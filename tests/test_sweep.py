@@ -573,3 +573,44 @@ def test_anonymize_masks_user_and_host_in_path_valued_variables_in_every_file(
     record = result.records[0]
     assert record["host"] == "rack7-n3"  # (the verdict still names the node)
     assert record["host_facts"]["nccl_env"]["NCCL_DEBUG_FILE"] == "/home/<user>/runs/<host>/nccl.%h.%p.log"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            '{"schema": "gpudiag.sweep-baseline/1", "machine_types": {"8x H100": {"intra_busbw_gbps": NaN}}}',
+            "got nan",
+        ),
+        (
+            '{"schema": "gpudiag.sweep-baseline/1", "machine_types": {"8x H100": {"pair_busbw_gbps": Infinity}}}',
+            "inf",
+        ),
+        ('{"schema": "gpudiag.sweep-baseline/1", "machine_types": {}, "machine_typos": {}}', "machine_typos"),
+        (
+            '{"schema": "gpudiag.sweep-baseline/1", "machine_types": {"8x H100": {"intra_busbw": 1}}}',
+            "intra_busbw",
+        ),
+        (
+            '{"schema": "gpudiag.sweep-baseline/1", "machine_types": {"8x H100": {"intra_busbw_gbps": "360"}}}',
+            "'360'",
+        ),
+        ('{"schema": "gpudiag.sweep-baseline/1", "machine_types": {"8x H100": [360]}}', "list"),
+        ('{"schema": "gpudiag.sweep-baseline/1", "machine_types": [1]}', "machine_types"),
+        ('{"machine_types": {"8x H100": {"intra_busbw_gbps": 360}}}', "no schema"),
+        ('{"schema": "gpudiag.sweep-rules/1", "machine_types": {}}', "gpudiag.sweep-rules/1"),
+        ("[]", "expected a JSON object"),
+    ],
+)
+def test_a_bad_baseline_file_is_one_line_exit_2_naming_what_is_wrong(
+    tmp_path: Path, text: str, named: str
+) -> None:
+    _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
+    (tmp_path / "baseline.json").write_text(text)
+    result = CliRunner().invoke(
+        cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--baseline", str(tmp_path / "baseline.json")]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "baseline file" in result.stderr and named in result.stderr, (
+        result.stderr
+    )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,22 +62,42 @@ DEFAULT_RULES: dict[str, Any] = {
 }
 
 
+def _number(value: Any) -> bool:
+    """A JSON number that is finite (``json`` reads ``NaN`` and ``Infinity`` too)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _fraction(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    if not _number(value) or not 0 < value <= 1:
         raise InputError(f"{where}: expected a fraction in (0, 1], got {value!r}")
     return float(value)
+
+
+def _document(data: Any, name: str, schema: str, known: Any, *, schema_required: bool) -> dict[str, Any]:
+    """``data`` as one of the sweep's small JSON files — an object whose ``schema`` is
+    ``schema`` (a file that omits it is taken as one unless ``schema_required``) and whose
+    keys are all in ``known``; :class:`InputError` (exit 2) naming what is wrong. Shared
+    by the rules and the baseline, and by every object nested in them (``where``)."""
+    if not isinstance(data, dict):
+        raise InputError(f"{name}: expected a JSON object, got {type(data).__name__}")
+    if "schema" not in data and schema_required:
+        raise InputError(f"{name}: no schema; expected \"schema\": \"{schema}\"")
+    if data.get("schema", schema) != schema:
+        raise InputError(f"{name}: schema {data.get('schema')!r}, expected {schema}")
+    return _known_keys(data, name, known)
+
+
+def _known_keys(data: dict[str, Any], where: str, known: Any) -> dict[str, Any]:
+    unknown = sorted(str(k) for k in set(data) - set(known))
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return data
 
 
 def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
     """The defaults overlaid with ``data``, each value checked; :class:`InputError` (exit 2)
     naming the bad key otherwise."""
-    if not isinstance(data, dict):
-        raise InputError(f"{name}: expected a JSON object")
-    if data.get("schema", RULES_SCHEMA) != RULES_SCHEMA:
-        raise InputError(f"{name}: schema {data.get('schema')!r}, expected {RULES_SCHEMA}")
-    unknown = sorted(set(data) - set(DEFAULT_RULES))
-    if unknown:
-        raise InputError(f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_RULES)}")
+    _document(data, name, RULES_SCHEMA, DEFAULT_RULES, schema_required=False)
     rules = copy.deepcopy(DEFAULT_RULES)
     figures = data.get("figures", {})
     if not isinstance(figures, dict):
@@ -115,23 +136,22 @@ def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
 
 
 def check_baseline(data: Any, name: str = "baseline") -> dict[str, dict[str, float]]:
-    """``{machine type: {figure: GB/s}}`` from a baseline document, checked."""
-    if not isinstance(data, dict) or data.get("schema", BASELINE_SCHEMA) != BASELINE_SCHEMA:
-        raise InputError(f"{name}: expected a {BASELINE_SCHEMA} JSON object")
+    """``{machine type: {figure: GB/s}}`` from a baseline document, checked as strictly as
+    the rules (:func:`_document`: the schema tag is required here — a baseline is a file
+    of its own, never a subset of defaults); figures finite and > 0."""
+    _document(data, name, BASELINE_SCHEMA, ("schema", "machine_types"), schema_required=True)
     types = data.get("machine_types")
     if not isinstance(types, dict):
-        raise InputError(f"{name}: expected machine_types: {{TYPE: {{FIGURE: value}}}}")
+        raise InputError(f"{name}: machine_types: expected an object {{TYPE: {{FIGURE: GB/s}}}}")
     out: dict[str, dict[str, float]] = {}
     for kind, figures in types.items():
+        where = f"{name}: machine_types.{kind}"
         if not isinstance(figures, dict):
-            raise InputError(f"{name}: machine_types.{kind}: expected an object of figures")
+            raise InputError(f"{where}: expected an object of figures, got {type(figures).__name__}")
+        _known_keys(figures, where, FIGURES)
         for figure, value in figures.items():
-            if figure not in FIGURES:
-                raise InputError(
-                    f"{name}: machine_types.{kind}.{figure}: unknown figure; known: {', '.join(FIGURES)}"
-                )
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InputError(f"{name}: machine_types.{kind}.{figure}: expected a positive number")
+            if not _number(value) or value <= 0:
+                raise InputError(f"{where}.{figure}: expected a finite number > 0 (GB/s), got {value!r}")
         out[str(kind)] = {k: float(v) for k, v in figures.items()}
     return out
 
