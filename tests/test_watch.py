@@ -6,6 +6,7 @@ nothing; close() leaves no hook."""
 from __future__ import annotations
 
 import json
+import linecache
 import math
 import warnings
 from pathlib import Path
@@ -116,9 +117,16 @@ def test_raise_comes_out_of_backward_and_warn_warns(tmp_path: Path) -> None:
     poison(net.body[0], lambda: watcher.step == 1)
     with (
         gpudiag.watch(net, "warn", record_dir=False) as watcher,
-        pytest.warns(gpudiag.watch.NonFiniteWarning, match=r"step 1: arose on rank 0 \(cpu\) in body\.0"),
+        pytest.warns(
+            gpudiag.watch.NonFiniteWarning, match=r"step 1: arose on rank 0 \(cpu\) in body\.0"
+        ) as warned,
     ):
         train(net, 3)
+    # the warning points at the user's loss.backward() line, not into gpudiag or torch
+    (warning,) = [w for w in warned if isinstance(w.message, gpudiag.watch.NonFiniteWarning)]
+    assert warning.filename == __file__ and "backward()" in linecache.getline(
+        warning.filename, warning.lineno
+    )
 
 
 def test_backward_fault_names_the_module_nearest_the_loss(tmp_path: Path) -> None:
@@ -391,7 +399,26 @@ def test_ddp_every_rank_names_the_rank_module_and_step(tmp_path: Path, path: str
         assert error["this_rank"] == rank and error["world_size"] == 2
         assert error["arrived"] is (rank == 0)  # rank 0 got it from the all-reduce
     assert "arrived through the all-reduce from rank 1" in results[0]["error"]["message"]
-    assert sorted(read_records(tmp_path)) == ["watch-rank0.json", "watch-rank1.json"]
+    records = read_records(tmp_path)
+    assert sorted(records) == ["watch-rank0.json", "watch-rank1.json"]
+    assert len({json.loads(r)["run"] for r in records.values()}) == 1  # one run, named alike
+
+
+def test_records_an_earlier_run_left_are_not_taken_for_this_ones(tmp_path: Path) -> None:
+    from gpudiag.watch.record import NonFiniteReport, write_record
+
+    for rank in range(4):  # an earlier job of 4 ranks
+        write_record(
+            NonFiniteReport(1, 2, "cpu", "a", "forward", this_rank=rank, world_size=4, run="old"), tmp_path
+        )
+    for rank in range(2):  # this job of 2 ranks, in the same folder
+        write_record(
+            NonFiniteReport(5, 0, "cpu", "b", "backward", this_rank=rank, world_size=2, run="new"), tmp_path
+        )
+    records = read_records(tmp_path)
+    assert sorted(records) == ["watch-rank0.json", "watch-rank1.json"]
+    assert {json.loads(r)["run"] for r in records.values()} == {"new"}
+    assert (tmp_path / "watch-rank3.json").exists()  # left where it is: gpudiag deletes nothing of it
 
 
 @pytest.mark.parametrize("path", GRAD_PATHS)
@@ -541,6 +568,33 @@ def test_a_clean_cpu_forward_lets_go_of_what_it_kept_before_the_backward() -> No
         out.pow(2).mean().backward()
     assert watcher.report is not None
     assert (watcher.report.step, watcher.report.module, watcher.report.phase) == (1, "body.2.lin", "forward")
+
+
+def test_autograd_grad_is_not_a_step_and_a_second_backward_is_checked() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    poison(net.body[2].lin, lambda: watcher.step == 1)
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        for _ in range(3):  # a gradient penalty: autograd.grad first, then the real backward
+            loss = net(torch.randn(4, 8)).pow(2).mean()
+            grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+            (loss + sum(g.pow(2).sum() for g in grads)).backward()
+            if watcher.report is None:
+                assert watcher.step == 1  # the penalty's autograd.grad did not count
+        report = watcher.report
+    assert report is not None and (report.step, report.module, report.phase) == (1, "body.2.lin", "forward")
+
+    torch.manual_seed(0)
+    net, bad = Net(), [False]
+    poison(net.body[2].norm, lambda: bad[0], kind="grad")
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        loss = net(torch.randn(4, 8)).pow(2).mean()
+        loss.backward(retain_graph=True)
+        assert watcher.step == 1 and watcher.report is None
+        bad[0] = True
+        loss.backward()  # the same graph again: a backward pass of its own, checked
+    report = watcher.report
+    assert report is not None and (report.step, report.module, report.phase) == (1, "body.2.lin", "backward")
 
 
 def test_forwards_without_backward_are_let_go() -> None:

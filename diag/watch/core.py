@@ -25,6 +25,8 @@ finite values is found to be clean there, and not reported.
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
 import math
+import sys
+import uuid
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -171,6 +173,28 @@ def _version(t: torch.Tensor) -> int:
     return int(getattr(t, "_version", -1))
 
 
+#: Packages whose frames a warning skips to point at the user's line (``loss.backward()``).
+_LIBRARIES = ("gpudiag", "torch", "lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised from inside the watcher that points at the
+    first frame outside gpudiag, torch and the training libraries: the user's
+    ``loss.backward()`` (or ``trainer.fit``). Python 3.12's ``skip_file_prefixes``, by hand."""
+    frame = sys._getframe(1)  # the caller of this function: warnings.warn's caller
+    level = 1
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.partition(".")[0] not in _LIBRARIES:
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return 1
+
+
+#: Whether this torch's tensors have in-place version counters (see :func:`_version`).
+_VERSIONED = _version(torch.zeros(1)) >= 0
+
+
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating-point tensors inside an output (tensors, tuples, lists, dicts, ModelOutput)."""
     if isinstance(obj, torch.Tensor):
@@ -302,6 +326,8 @@ class Watcher:
             self.blind.append("localize=False: forward faults are named at the model's output")
 
         self.step = 0  # backward passes completed
+        #: this run's name in its records (under DDP the first rank's, agreed on at the fault)
+        self.run = uuid.uuid4().hex[:12]
         self.done = False  # the first fault was reported: nothing more is checked
         self.closed = False
         self.report: NonFiniteReport | None = None
@@ -318,6 +344,8 @@ class Watcher:
         self._only_eval = True  # everything kept since the last step came from eval-mode forwards
         self._forwards = 0  # forwards of the model since the last check
         self._queued = False
+        self._grads_before: tuple[Any, ...] | None = None  # the gradients as this backward began
+        self._out_grads_mark = 0
         self._synced = False
         self._dirty = False
         self._bad_params: list[tuple[int, str, int, int]] = []  # (bucket order, name, bad, numel)
@@ -443,19 +471,37 @@ class Watcher:
     def _on_output_grad(self, grad: torch.Tensor | None) -> None:
         if self.done:
             return
-        if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(_sum32(grad.detach()))
-        if not self._queued:
-            self._queued = True
+        if not self._queued:  # the first output this backward reaches
+            self._queued, self._dirty = True, True
+            self._grads_before = self._grad_state()
+            self._out_grads_mark = len(self._out_grads)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
             _end_of_backward_callback()(self._end_of_backward)
+        if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
+            self._out_grads.append(_sum32(grad.detach()))
+
+    def _grad_state(self) -> tuple[Any, ...] | None:
+        """Which gradient tensor each parameter holds and its in-place version: a backward
+        that accumulates into any of them changes this, ``torch.autograd.grad`` does not.
+        None where it cannot tell (no parameters, or a torch without version counters)."""
+        if not self._params or not _VERSIONED:
+            return None
+        return tuple(None if (g := p.grad) is None else (id(g), _version(g)) for p in self._params)
 
     def _end_of_backward(self) -> None:
         """The first end-of-backward callback, queued as the backward reached the model's
         outputs, so before DDP's own (its reducer queues ``finalize_backward`` once the last
         bucket is ready, reducer.cpp): under ``before-finalize`` each rank's own gradients
-        are still in ``param.grad`` here, the all-reduced ones only in DDP's buckets."""
+        are still in ``param.grad`` here, the all-reduced ones only in DDP's buckets.
+
+        A backward that accumulated no gradient (``torch.autograd.grad``, e.g. a gradient
+        penalty before the real backward) is not a step: nothing is checked or let go."""
+        before, self._grads_before = self._grads_before, None
+        if before is not None and before == self._grad_state():
+            self._queued = False
+            del self._out_grads[self._out_grads_mark :]
+            return
         if (
             self.grad_path == "before-finalize"
             and not self.done
@@ -490,7 +536,7 @@ class Watcher:
             f"({torch.__version__}); from the next step each gradient is watched as it arrives "
             "(slower), and this step's gradients are judged after the all-reduce only",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
         self._watch_each_gradient()
         return False
@@ -626,9 +672,15 @@ class Watcher:
         if math.isfinite(received[self.group_rank]):
             got = self._received(results)
         views: list[Any] = [None] * self.world
-        mine = {"local": asdict_local(local), "received": asdict_local(got), "rank": self.rank}
+        mine = {
+            "local": asdict_local(local),
+            "received": asdict_local(got),
+            "rank": self.rank,
+            "run": self.run,
+        }
         dist.all_gather_object(views, mine, group=self.group)
         self._local = None
+        self.run = str(views[0]["run"])  # one name for the job's records: its first rank's
         origins = [v["local"] for v in views if v["local"] is not None]
         receivers = [v["received"] for v in views if v["received"] is not None]
         if origins:
@@ -906,6 +958,7 @@ class Watcher:
             kind=origin.kind,
             also=also,
             blind=origin.blind,
+            run=self.run,
             ranks=[
                 {
                     "rank": v["rank"],
@@ -926,11 +979,14 @@ class Watcher:
             try:
                 write_record(report, folder)
             except OSError as exc:
-                warnings.warn(f"gpudiag.watch could not write its record in {folder}: {exc}", stacklevel=2)
+                warnings.warn(
+                    f"gpudiag.watch could not write its record in {folder}: {exc}",
+                    stacklevel=_user_stacklevel(),
+                )
         if self.mode == "raise":
             raise NonFiniteError(report)
         if self.mode == "warn":
-            warnings.warn(NonFiniteWarning(report), stacklevel=2)
+            warnings.warn(NonFiniteWarning(report), stacklevel=_user_stacklevel())
 
     # -- lifetime ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ class NonFiniteReport:
     ``arrived``: on this rank the value arrived through the all-reduce from ``rank``;
     ``transfer``: the DataParallel copy that made or carried it; ``kind``: ``fault``, or
     ``scaler-skip`` for a gradient overflow a GradScaler skips (not a fault);
-    ``blind``: what the watcher could not see in this placement."""
+    ``blind``: what the watcher could not see in this placement; ``run``: the name every
+    rank of one training run gives its records (the first rank's)."""
 
     step: int
     rank: int
@@ -72,6 +74,7 @@ class NonFiniteReport:
     also: list[int] = field(default_factory=list)
     blind: list[str] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    run: str = ""
 
     @property
     def where(self) -> str:
@@ -139,29 +142,39 @@ def record_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 
 def write_record(report: NonFiniteReport, folder: Path) -> Path:
-    """``folder/watch-rank<R>.json`` (replacing an earlier one), atomically."""
+    """``folder/watch-rank<R>.json`` (replacing an earlier run's), atomically, with the
+    time it was written (``written``, UTC, ISO 8601)."""
     from gpudiag.fileio import atomic_write
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"watch-rank{report.this_rank}.json"
-    return atomic_write(path, json.dumps(report.to_json(), indent=1) + "\n", force=True)
+    data = {**report.to_json(), "written": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
+    return atomic_write(path, json.dumps(data, indent=1) + "\n", force=True)
 
 
 def read_records(folder: str | os.PathLike[str] | None = None) -> dict[str, bytes]:
-    """The records in ``folder`` (default :func:`record_dir`) by file name: regular files
-    ``watch-rank*.json`` whose JSON names the ``gpudiag.watch/`` schema; others are ignored."""
+    """The latest run's records in ``folder`` (default :func:`record_dir`) by file name:
+    regular files ``watch-rank*.json`` whose JSON names the ``gpudiag.watch/`` schema and
+    whose ``run`` is the one written last — a rank's record that an earlier run (of more
+    ranks, say) left there is not taken for this run's. Others are ignored."""
     base = record_dir(folder)
-    found: dict[str, bytes] = {}
+    runs: dict[str, dict[str, bytes]] = {}
+    latest: dict[str, str] = {}
     if not base.is_dir():
-        return found
+        return {}
     for path in sorted(base.glob("watch-rank*.json")):
         try:
             if path.is_symlink() or not path.is_file() or path.stat().st_size > _RECORD_LIMIT:
                 continue
             data = path.read_bytes()
-            schema = json.loads(data).get("schema")
+            record = json.loads(data)
+            schema = record.get("schema")
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(schema, str) and schema.startswith("gpudiag.watch/"):
-            found[path.name] = data
-    return found
+            run, written = str(record.get("run", "")), str(record.get("written", ""))
+            runs.setdefault(run, {})[path.name] = data
+            latest[run] = max(latest.get(run, ""), written)
+    if not runs:
+        return {}
+    return runs[max(latest, key=lambda run: latest[run])]
