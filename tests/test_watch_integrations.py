@@ -83,11 +83,20 @@ def _check(results: list[dict[str, Any]], module: str, bad_rank: int = 1) -> Non
 # -- PyTorch Lightning -----------------------------------------------------------------
 
 
-def _lightning_rank(rank: int, world: int, port: int, bad_rank: int, folder: str) -> bytes:
+def _lightning_rank(
+    rank: int, world: int, port: int, bad_rank: int, folder: str, package: str = "pytorch_lightning"
+) -> bytes:
     _as_torchrun(rank, world, port)
-    import pytorch_lightning as pl
+    import importlib
+    import sys
 
+    if package == "lightning.pytorch":  # as where only the unified package is installed
+        sys.modules["pytorch_lightning"] = None  # type: ignore[assignment]  # import fails
+        sys.modules.pop("gpudiag.watch.lightning", None)
+    pl = importlib.import_module(package)
     from gpudiag.watch.lightning import WatchCallback
+
+    assert issubclass(WatchCallback, pl.Callback)
 
     class Regressor(pl.LightningModule):
         def __init__(self) -> None:
@@ -127,9 +136,11 @@ def _lightning_rank(rank: int, world: int, port: int, bad_rank: int, folder: str
     return _outcome(callback.watcher, error)
 
 
-def test_lightning_ddp_names_rank_module_and_step(tmp_path: Path) -> None:
-    pytest.importorskip("pytorch_lightning", reason="pytorch-lightning not installed (gpudiag[lightning])")
-    results = launch(_lightning_rank, 2, args=(_free_port(), 1, str(tmp_path)), timeout=120, method="fork")
+@pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
+def test_lightning_ddp_names_rank_module_and_step(tmp_path: Path, package: str) -> None:
+    pytest.importorskip(package, reason=f"{package} not installed (the test extra has both)")
+    args = (_free_port(), 1, str(tmp_path), package)
+    results = launch(_lightning_rank, 2, args=args, timeout=120, method="fork")
     _check([json.loads(bytes(r)) for r in results], "net.2")
 
 
