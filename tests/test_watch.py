@@ -649,6 +649,43 @@ def test_single_cuda_device_names_module_and_step() -> None:
     assert (report.step, report.module, report.phase, report.device) == (2, "body.2.lin", "forward", "cuda:0")
 
 
+@pytest.mark.parametrize("path", ["before-finalize", "bucket-hook"])
+def test_ddp_under_autocast_with_a_grad_scaler(path: str) -> None:
+    """AMP under DDP (fp16 autocast on the CPU, a GradScaler): an overflow rank 0's backward
+    makes at step 1 is the scaler's skip on every rank (training goes on); a NaN rank 1's
+    forward makes at step 3 is a fault, named alike on both ranks."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        torch.manual_seed(0)
+        net = Net()
+        poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 1, kind="grad")
+        poison(net.body[2].lin, lambda: rank == 1 and watcher.step == 3)
+        ddp = _ddp_model(net, path)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        watcher = _ddp_watch(ddp, path, "record", scaler=scaler, record_dir=False)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ddp(torch.randn(4, 8, generator=g)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if watcher.report is not None:
+                break
+        events = [(e.kind, e.step, e.rank, e.module, e.phase) for e in watcher.events]
+        return json.dumps({"events": events, "scale": scaler.get_scale()}).encode()
+
+    for raw in launch(rank_fn, 2, timeout=120, method="fork"):
+        result = json.loads(bytes(raw))
+        assert result["events"] == [
+            ["scaler-skip", 1, 0, "body.2.lin", "backward"],
+            ["fault", 3, 1, "body.2.lin", "forward"],
+        ], result
+        assert result["scale"] < 2.0**8  # the scaler did skip step 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["before-finalize", "bucket-hook"])
 def test_ddp_on_cuda_over_nccl_names_module_step_and_phase(path: str) -> None:
