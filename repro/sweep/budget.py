@@ -94,12 +94,28 @@ class Budget:
         return f"{what} {SKIPPED} ({max(0.0, left):.1f} s left of {self.seconds:g} s)"
 
 
+_RETRY_S = 0.02
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` or a caller is inside Python's import machinery. An exception
+    raised there leaves a module half made — measured: a check stopped while it imported
+    ``torch._dynamo`` made the next import of it abort the process ("Fatal Python error:
+    Aborted"), 1 run in 4 — so the stop waits until the import is over."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def hard_stop(seconds: float) -> Iterator[None]:
     """Raise :class:`BudgetSpent` in the main thread after ``seconds`` (``SIGALRM``); no
     limit when ``seconds`` is infinite, outside the main thread, or where a timer is
     already set. The checks' own in-process deadlines (``runtime.deadline``) stand aside
-    while this one runs (one timer per process); this one bounds them."""
+    while this one runs (one timer per process); this one bounds them. Never inside an
+    import (:func:`_importing`): then a little later."""
     usable = (
         math.isfinite(seconds)
         and hasattr(signal, "setitimer")
@@ -110,7 +126,10 @@ def hard_stop(seconds: float) -> Iterator[None]:
         yield
         return
 
-    def expire(_signum: int, _frame: Any) -> None:
+    def expire(_signum: int, frame: Any) -> None:
+        if _importing(frame):  # not in the middle of an import: try again in a moment
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+            return
         signal.setitimer(signal.ITIMER_REAL, 0)
         raise BudgetSpent()
 
