@@ -471,8 +471,14 @@ def judge(
             fleet_notes.append(f"{figure}: measured on CPU virtual devices, not judged (it swings many-fold)")
             continue
         # a pair's figure with two nodes is one link measured from both ends: no outlier
-        least = max(int(rules.get("min_nodes", 2)), 3 if figure == "pair_busbw_gbps" else 2)
+        asked = int(rules.get("min_nodes", 2))
+        least = max(asked, 3 if figure == "pair_busbw_gbps" else 2)
         if len(have) < least:
+            if len(have) > 1:  # (one node alone has nothing to be compared with: no note)
+                why = f"the rules' min_nodes {asked}" if asked >= least else "3 (two ends of one link)"
+                fleet_notes.append(
+                    f"{figure}: not judged against the fleet: {len(have)} node(s) have it, fewer than {why}"
+                )
             continue
         others = leave_one_out_medians([v for _, v in have])
         for (i, value), other in zip(have, others, strict=True):

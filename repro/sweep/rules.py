@@ -11,7 +11,8 @@ Rules (``gpudiag.sweep-rules/1``; every key optional, missing keys take the defa
   across its GPUs; ``pair_busbw_gbps``: the bus bandwidth of its between-node pair test),
   ``min_fraction_of_median``: a node whose figure is below this fraction of the median of
   the *other* nodes is an outlier (``node-figure-low``);
-- ``min_nodes``: fewer nodes with a figure than this and no outlier is judged for it;
+- ``min_nodes``: fewer nodes with a figure than this and no outlier is judged for it
+  (SUMMARY.md's notes say so; at most :data:`MAX_MIN_NODES`);
 - ``versions``: the version fields that must match the majority (``node-version-differs``);
 - ``host``: the host facts that must match the majority (``node-host-differs``): ``iommu``
   (the IOMMU mode), ``acs_redirect`` (PCIe ACS redirecting peer traffic), ``nccl_env``
@@ -45,6 +46,9 @@ VERSION_FIELDS = ("nvidia_driver", "cuda_runtime", "nccl_runtime", "torch", "gpu
 #: Host facts (from ``gpudiag env``) that must match the majority: the IOMMU mode, whether
 #: PCIe ACS redirects peer traffic, the NCCL_* variables set.
 HOST_FIELDS = ("iommu", "acs_redirect", "nccl_env")
+#: The largest ``min_nodes`` accepted: as many hosts as a node list may name (hosts.py);
+#: a fleet smaller than ``min_nodes`` has the figure left unjudged, said in SUMMARY.md.
+MAX_MIN_NODES = 100_000
 
 DEFAULT_RULES: dict[str, Any] = {
     "schema": RULES_SCHEMA,
@@ -102,11 +106,14 @@ def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
     figures = data.get("figures", {})
     if not isinstance(figures, dict):
         raise InputError(f"{name}: figures must be an object")
+    _known_keys(figures, f"{name}: figures", FIGURES)
     for figure, limits in figures.items():
-        if figure not in FIGURES or not isinstance(limits, dict) or set(limits) - {"min_fraction_of_median"}:
+        if not isinstance(limits, dict):
             raise InputError(
-                f"{name}: figures.{figure}: expected one of {', '.join(FIGURES)} with min_fraction_of_median"
+                f"{name}: figures.{figure}: expected an object {{\"min_fraction_of_median\": FRACTION}}, "
+                f"got {type(limits).__name__}"
             )
+        _known_keys(limits, f"{name}: figures.{figure}", ("min_fraction_of_median",))
         for key, value in limits.items():
             rules["figures"][figure][key] = _fraction(value, f"{name}: figures.{figure}.{key}")
     if "judge_simulated_figures" in data:
@@ -115,8 +122,8 @@ def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
         rules["judge_simulated_figures"] = data["judge_simulated_figures"]
     if "min_nodes" in data:
         value = data["min_nodes"]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-            raise InputError(f"{name}: min_nodes: expected an integer ≥ 2, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_MIN_NODES:
+            raise InputError(f"{name}: min_nodes: an integer from 2 to {MAX_MIN_NODES}, got {value!r}")
         rules["min_nodes"] = value
     for key, known in (("versions", VERSION_FIELDS), ("host", HOST_FIELDS)):
         if key in data:
