@@ -665,3 +665,53 @@ def test_a_fleet_smaller_than_min_nodes_says_the_figure_was_not_judged() -> None
     assert "not judged against the fleet" in summary_markdown(verdict, records, {})
     two = judge([node(0), node(1)])  # a pair's figure with two nodes: one link, both ends
     assert any(n.startswith("pair_busbw_gbps: not judged") and "3 (two ends" in n for n in two.notes)
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_the_sweep_s_own_settings_are_kept_apart_from_the_user_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpudiag.repro.sweep.run import SweepOptions, sweep
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCH_NCCL_NAN_CHECK", "TORCH_FR_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "solo")
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # the user's: the sweep leaves it
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    options = SweepOptions(
+        output=str(tmp_path / "out"), machine=str(_two_gpu_machine(tmp_path)), quick=True, checks=("env",)
+    )
+    result = sweep(options)
+    assert result.run["user_settings"] == {"NCCL_ALGO": "Tree"} and "NCCL_ALGO" not in result.run["pinned"]
+    assert result.run["pinned"]["TORCH_NCCL_NAN_CHECK"] == "1"
+    assert result.records[0]["host_facts"]["nccl_env"] == {"NCCL_ALGO": "Tree", "NCCL_SOCKET_IFNAME": "eth0"}
+    monkeypatch.delenv("NCCL_ALGO")
+    again = sweep(SweepOptions(**{**options.__dict__, "output": str(tmp_path / "again")}))
+    assert again.run["pinned"]["NCCL_ALGO"] == "Ring" and again.run["user_settings"] == {}
+    assert again.records[0]["host_facts"]["nccl_env"] == {
+        "NCCL_SOCKET_IFNAME": "eth0"
+    }  # not the sweep's Ring
+    summary = (tmp_path / "again" / "SUMMARY.md").read_text()
+    assert (
+        "set by the sweep for its run (not the nodes' own settings): " in summary
+        and "`NCCL_ALGO=Ring`" in summary
+    )
+    assert "majority host.nccl_env: NCCL_SOCKET_IFNAME=eth0" in summary and "{'" not in summary
+
+
+def test_summary_shows_mappings_as_key_value_items_not_a_dict_repr() -> None:
+    from gpudiag.repro.sweep.results import summary_markdown, summary_text
+
+    facts = {
+        "iommu": "off",
+        "acs_redirect": False,
+        "nccl_env": {"NCCL_IB_HCA": "mlx5_0", "NCCL_P2P_LEVEL": "NVL"},
+    }
+    records = [node(i, host_facts=facts) for i in range(3)]
+    records[2] = node(2, host_facts={**facts, "nccl_env": {}})
+    verdict = judge(records)
+    markdown, text = summary_markdown(verdict, records, {}), summary_text(verdict)
+    assert "| NCCL_IB_HCA=mlx5_0, NCCL_P2P_LEVEL=NVL | none |" in markdown
+    assert "majority host.nccl_env: NCCL_IB_HCA=mlx5_0, NCCL_P2P_LEVEL=NVL" in markdown
+    assert "(expected NCCL_IB_HCA=mlx5_0, NCCL_P2P_LEVEL=NVL, measured none)" in text
+    assert "{'" not in markdown + text

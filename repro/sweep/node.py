@@ -14,7 +14,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,10 +212,18 @@ class Local:
     report: Any
 
 
-def local_phase(options: SweepOptions, ident: Identity, backend: str, budget: Budget | None = None) -> Local:
+def local_phase(
+    options: SweepOptions,
+    ident: Identity,
+    backend: str,
+    budget: Budget | None = None,
+    sweep_set: Collection[str] = (),
+) -> Local:
     """The node's own checks and figures, with torchrun's group hidden. Under a
     ``budget`` (``--quick``) each check and the all-reduce start only while the local share
-    lasts, and a check still running when it is spent is stopped (skipped, with a note)."""
+    lasts, and a check still running when it is spent is stopped (skipped, with a note).
+    ``sweep_set``: the variables the sweep itself set for its run (``NCCL_ALGO``…), left
+    out of the host facts, which are the user's environment."""
     from gpudiag.checks.suite import Here
 
     budget = budget or Budget(None)
@@ -261,7 +269,9 @@ def local_phase(options: SweepOptions, ident: Identity, backend: str, budget: Bu
         "iommu": iommu.get("mode"),
         "acs_redirect": bool(iommu.get("acs_redirect")) if "acs_redirect" in iommu else None,
         "nccl_env": {
-            k: v for k, v in sorted((sections.get("variables") or {}).items()) if k.startswith("NCCL_")
+            k: v
+            for k, v in sorted((sections.get("variables") or {}).items())
+            if k.startswith("NCCL_") and k not in sweep_set
         },
     }
     names = sorted({str(g.name) for g in topology.gpus.values() if g.name}) if topology is not None else []

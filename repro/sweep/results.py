@@ -166,11 +166,19 @@ def read_sweep(folder: str | Path) -> Sweep:
 
 
 def _cell(value: Any) -> str:
+    """A value as a table cell or list item: numbers to 4 digits, a mapping as ``KEY=value``
+    items (``none`` when empty: ``nccl_env`` with no variable set), a list comma-separated."""
     if value is None:
         return "—"
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    if isinstance(value, Mapping):
+        text = ", ".join(f"{k}={v}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) or "none"
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(str(v) for v in value) or "none"
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def headline(verdict: FleetVerdict) -> str:
@@ -207,7 +215,15 @@ def summary_markdown(
     if run.get("expected_from"):
         out.append(f"- expected hosts from {run['expected_from']}: {len(run.get('expected_hosts') or [])}")
     if run.get("pinned"):
-        out.append("- pinned: " + ", ".join(f"`{k}={v}`" for k, v in sorted(run["pinned"].items())))
+        out.append(
+            "- set by the sweep for its run (not the nodes' own settings): "
+            + ", ".join(f"`{k}={v}`" for k, v in sorted(run["pinned"].items()))
+        )
+    if run.get("user_settings"):
+        out.append(
+            "- already set by the user, left as they were: "
+            + ", ".join(f"`{k}={v}`" for k, v in sorted(run["user_settings"].items()))
+        )
     if run.get("injected"):
         out.append("- **rehearsal** — injected: " + ", ".join(f"`{s}`" for s in run["injected"]))
     out.append("")

@@ -85,7 +85,7 @@ def _document(data: Any, name: str, schema: str, known: Any, *, schema_required:
     if not isinstance(data, dict):
         raise InputError(f"{name}: expected a JSON object, got {type(data).__name__}")
     if "schema" not in data and schema_required:
-        raise InputError(f"{name}: no schema; expected \"schema\": \"{schema}\"")
+        raise InputError(f'{name}: no schema; expected "schema": "{schema}"')
     if data.get("schema", schema) != schema:
         raise InputError(f"{name}: schema {data.get('schema')!r}, expected {schema}")
     return _known_keys(data, name, known)
@@ -110,7 +110,7 @@ def check_rules(data: Any, name: str = "rules") -> dict[str, Any]:
     for figure, limits in figures.items():
         if not isinstance(limits, dict):
             raise InputError(
-                f"{name}: figures.{figure}: expected an object {{\"min_fraction_of_median\": FRACTION}}, "
+                f'{name}: figures.{figure}: expected an object {{"min_fraction_of_median": FRACTION}}, '
                 f"got {type(limits).__name__}"
             )
         _known_keys(limits, f"{name}: figures.{figure}", ("min_fraction_of_median",))

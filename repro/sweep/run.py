@@ -157,16 +157,19 @@ def _backend(options: SweepOptions, ident: Identity) -> str:
 
 
 @contextlib.contextmanager
-def _pinned(scratch: Path, backend: str) -> Iterator[dict[str, str]]:
+def _pinned(scratch: Path, backend: str) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
     """Pin NCCL_ALGO and turn the flight recorder and NaN check on (unless set) while
     active: before any process group exists, as PyTorch reads them when it creates one;
-    what this process's environment was is restored after."""
+    what this process's environment was is restored after. Yields (what the sweep set,
+    what the user had set already and it left alone): kept apart, so the sweep's own
+    settings never pass for the user's (in host facts, in SUMMARY.md)."""
     wanted = flight_settings(backend, scratch)
     added = [k for k in wanted if k not in os.environ]
+    kept = {k: os.environ[k] for k in wanted if k not in added}
     for key in added:
         os.environ[key] = wanted[key]
     try:
-        yield {k: os.environ[k] for k in wanted}
+        yield {k: wanted[k] for k in added}, kept
     finally:
         for key in added:
             os.environ.pop(key, None)
@@ -219,9 +222,9 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
     started = time.perf_counter()
     try:
-        with _pinned(scratch, backend) as pinned:
+        with _pinned(scratch, backend) as settings:
             judged = (rules, baseline, hosts, hosts_from, folder)
-            return _run(options, ident, backend, scratch, pinned, started, judged, budget)
+            return _run(options, ident, backend, scratch, settings, started, judged, budget)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -231,14 +234,14 @@ def _run(
     ident: Identity,
     backend: str,
     scratch: Path,
-    pinned: dict[str, str],
+    settings: tuple[dict[str, str], dict[str, str]],
     started: float,
     judged: tuple[Any, ...],
     budget: Budget,
 ) -> SweepRun:
     """The local phase, the between-node phase (under torchrun), then rank 0's verdict."""
     rules, baseline, hosts, hosts_from, folder = judged
-    local = local_phase(options, ident, backend, budget) if ident.leader else None
+    local = local_phase(options, ident, backend, budget, set(settings[0])) if ident.leader else None
     out = Outcome()
     if local is not None:
         out.records = {ident.node: local.record}
@@ -252,7 +255,7 @@ def _run(
         files = _node_files(out, ident, scratch)
         out.bundles[ident.host] = _bundle_bytes(local.report, files, options.anonymize)
     return _finish(
-        options, ident, out, rules, baseline, (hosts, hosts_from), backend, pinned, folder, started
+        options, ident, out, rules, baseline, (hosts, hosts_from), backend, settings, folder, started
     )
 
 
@@ -317,7 +320,7 @@ def _finish(
     baseline: dict[str, dict[str, float]],
     expected: tuple[list[str], str | None],
     backend: str,
-    pinned: dict[str, str],
+    settings: tuple[dict[str, str], dict[str, str]],
     folder: Path | None,
     started: float,
 ) -> SweepRun:
@@ -361,7 +364,8 @@ def _finish(
         "nodes": ident.nodes,
         "expected_hosts": hosts,
         "expected_from": hosts_from,
-        "pinned": pinned,
+        "pinned": settings[0],  # set by the sweep for its run
+        "user_settings": settings[1],  # of the same variables, set by the user: left alone
         # every node's rehearsed faults (each node has its own options), by host
         "injected": [
             f"{rec['host']}: {spec}"
@@ -382,7 +386,7 @@ def _finish(
         from gpudiag.redact import Redactor
 
         masked = Redactor(anonymize=True)
-        run.update({key: masked.data(run[key]) for key in ("command", "pinned", "notes")})
+        run.update({key: masked.data(run[key]) for key in ("command", "pinned", "user_settings", "notes")})
     if folder is not None:
         write_sweep(folder, records, run, rules, verdict, out.bundles, force=options.force)
     return SweepRun(verdict, records, run, folder, ident)
