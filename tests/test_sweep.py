@@ -715,3 +715,26 @@ def test_summary_shows_mappings_as_key_value_items_not_a_dict_repr() -> None:
     assert "majority host.nccl_env: NCCL_IB_HCA=mlx5_0, NCCL_P2P_LEVEL=NVL" in markdown
     assert "(expected NCCL_IB_HCA=mlx5_0, NCCL_P2P_LEVEL=NVL, measured none)" in text
     assert "{'" not in markdown + text
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--quick"], "--quick"),
+        (["--machine", "m.json"], "--machine"),
+        (["-o", "elsewhere"], "--output"),
+        (["--force"], "--force"),
+        (["--checks", "env"], "--checks"),
+        (["--backend", "gloo"], "--backend"),
+        (["--timeout", "5"], "--timeout"),
+        (["--anonymize"], "--anonymize"),
+        (["--inject", "0->1:nan"], "--inject"),
+        (["--inject-delay", "0"], "--inject-delay"),
+    ],
+)
+def test_summary_refuses_the_options_only_a_run_uses(tmp_path: Path, args: list[str], flag: str) -> None:
+    _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
+    result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"gpudiag: error: {flag} does not apply to --summary")
+    assert result.stderr.count("\n") == 1

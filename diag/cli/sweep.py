@@ -26,6 +26,28 @@ def _render(verdict: Any, records: Any, run: Any, fmt: str) -> None:
         sys.stdout.write(summary_text(verdict))
 
 
+#: What ``--summary`` honours (it judges a folder again); every other option is the run's.
+SUMMARY_OPTIONS = frozenset({"summary", "rules", "baseline", "expect_hosts", "fmt"})
+
+
+def _refuse_run_options(ctx: click.Context) -> None:
+    """``--summary`` with an option only a run uses (``--quick``, ``--machine``, ``-o``…):
+    exit 2 naming it, rather than ignore it silently."""
+    from click.core import ParameterSource
+
+    from gpudiag.errors import InputError
+
+    for param in ctx.command.params:
+        if param.name in SUMMARY_OPTIONS or param.name is None:
+            continue
+        if ctx.get_parameter_source(param.name) not in (None, ParameterSource.DEFAULT):
+            flag = max(param.opts, key=len)
+            raise InputError(
+                f"{flag} does not apply to --summary, which judges a sweep folder again and runs nothing "
+                "(it takes --rules, --baseline, --expect-hosts, --format)"
+            )
+
+
 @cli.command()
 @click.option(
     "-o",
@@ -126,6 +148,7 @@ def sweep(ctx: click.Context, summary: str | None, fmt: str, **options: Any) -> 
     when every node is healthy, 1 for a problem or a missing node.
     """
     if summary is not None:
+        _refuse_run_options(ctx)
         from gpudiag.repro.sweep.run import rejudge
 
         verdict, data = rejudge(
