@@ -738,3 +738,16 @@ def test_summary_refuses_the_options_only_a_run_uses(tmp_path: Path, args: list[
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"gpudiag: error: {flag} does not apply to --summary")
     assert result.stderr.count("\n") == 1
+
+
+def test_host_names_are_compared_without_case() -> None:
+    assert expand_nodelist("node1,NODE1,Node[1-2]") == ["node1", "Node2"]
+    assert expected_hosts("gpu-a,GPU-A", {}) == (["gpu-a"], "--expect-hosts")
+    assert expected_hosts(None, {"SLURM_JOB_NODELIST": "n[1-2],N1"}) == (["n1", "n2"], "SLURM_JOB_NODELIST")
+    records = [node(0, host="Node0.Cluster.Local"), node(1, host="NODE1")]
+    verdict = judge(records, expected_hosts=["node0", "node1", "node2"])
+    assert [(v.host, v.status) for v in verdict.named] == [("node2", NO_RESULT)]  # node0, node1 joined
+    twins = judge([node(0, host="node7"), node(1, host="NODE7"), node(2)])
+    assert codes(twins, "node7") == ["node-host-duplicate"] and codes(twins, "NODE7") == [
+        "node-host-duplicate"
+    ]

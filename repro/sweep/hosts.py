@@ -57,13 +57,22 @@ def _expand_one(item: str) -> list[str]:
 
 
 def expand_nodelist(text: str) -> list[str]:
-    """Slurm's compressed host list → host names, in order, each once."""
+    """Slurm's compressed host list → host names, in order, each once. Host names are
+    case-insensitive (DNS): ``node1,NODE1`` is one host, kept as first spelt."""
     hosts: list[str] = []
     for item in _split_top(text):
         hosts += _expand_one(item)
         if len(hosts) > _MAX_HOSTS:
             raise InputError(f"node list names more than {_MAX_HOSTS} hosts")
-    return list(dict.fromkeys(hosts))
+    first: dict[str, str] = {}
+    for host in hosts:
+        first.setdefault(host_key(host), host)
+    return list(first.values())
+
+
+def host_key(host: str) -> str:
+    """The form host names are compared in: case folded (``Node1`` is ``node1``)."""
+    return host.casefold()
 
 
 def expected_hosts(option: str | None, environ: Mapping[str, str]) -> tuple[list[str], str | None]:

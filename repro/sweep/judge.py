@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.repro.sweep.hosts import host_key
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, FIGURES
 
 HEALTHY, PROBLEM, NO_RESULT = "healthy", "problem", "no result"
@@ -330,15 +331,16 @@ def judge(
     notes: dict[int, list[str]] = {i: [] for i in range(len(records))}
     fleet_notes: list[str] = []
 
-    hosts = Counter(str(r["host"]) for r in records)
+    hosts = Counter(host_key(str(r["host"])) for r in records)  # (DNS names: case-insensitive)
     for i, rec in enumerate(records):
         problems[i] += [Problem(**p) for p in rec.get("problems") or []]
         notes[i] += [str(n) for n in rec.get("notes") or []]  # (what the node skipped, and why)
-        if hosts[str(rec["host"])] > 1:
+        if hosts[host_key(str(rec["host"]))] > 1:
             problems[i].append(
                 Problem(
                     "node-host-duplicate",
-                    f"{hosts[str(rec['host'])]} nodes report the host name {rec['host']}",
+                    f"{hosts[host_key(str(rec['host']))]} nodes report the host name {rec['host']} "
+                    "(host names are compared without case)",
                 )
             )
         if "gpus" in rec and rec["gpus"] == 0:
@@ -529,8 +531,8 @@ def judge(
     seen = set(hosts) | {h.split(".")[0] for h in hosts}  # (Slurm lists short names; hosts may be FQDNs)
     missing = 0
     for host in expected_hosts:
-        if host not in seen:
-            seen.add(host)
+        if host_key(host) not in seen:
+            seen.add(host_key(host))
             missing += 1
             verdicts.append(
                 NodeVerdict(
