@@ -9,7 +9,7 @@ global batch of 32 images of 3x64x64 (16 per rank), SGD — the configuration of
 (``torch.set_num_threads``). ``--device cuda``: DDP over NCCL, one rank per GPU (``--world``,
 default 1): resnet18 batch 32 at 64 px, resnet50 batch 64 at 224 px.
 
-Each rank holds three DDP models of the same weights, stepped round-robin (the order
+Each rank holds four DDP models of the same weights, stepped round-robin (the order
 rotates every step) so all see the same machine load:
 
 - ``plain``: DDP as users run it (no comm hook: the reducer's C++ all-reduce) — the baseline;
@@ -23,13 +23,16 @@ rotates every step) so all see the same machine load:
   models with ``gradient_as_bucket_view=True`` are watched.
 
 A step is zero_grad, forward, loss, backward, optimizer step, and the loss read back (a
-host sync, as a training loop's logging does). Prints the median and the best step over
-``--steps`` steps after ``--warmup`` (the best is what a loaded machine disturbs least) and,
-as its last line, ``watched/plain = R`` — gpudiag.watch's default
-against plain DDP as the median over steps of each round's ratio (the kinds of one round
-run back to back, so a load that comes and goes on a shared machine hits both sides of a
-ratio alike; the ratio of the medians is printed too), on CUDA the worst configuration's;
-the target is R <= 1.03.
+host sync, as a training loop's logging does). Beside the step times it prints each kind's
+CPU time against plain's: the whole process's, and the training thread's (paired per
+round) — the work watching adds, which a loaded machine's preemptions hardly move.
+
+Prints the median and the best step over ``--steps`` steps after ``--warmup`` (the best is
+what a loaded machine disturbs least) and, as its last line, ``watched/plain = R`` —
+gpudiag.watch's default against plain DDP as the median over steps of each round's ratio
+(the kinds of one round run back to back, so a load that comes and goes on a shared machine
+hits both sides of a ratio alike; the ratio of the medians is printed too), on CUDA the
+worst configuration's; the target is R <= 1.03.
 """
 
 from __future__ import annotations
@@ -88,11 +91,12 @@ def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], step
     y = torch.randint(0, 10, (batch,), generator=g).chunk(world)[rank].to(target)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     cpu: dict[str, list[float]] = {kind: [] for kind in KINDS}  # this process's CPU time, all threads
+    work: dict[str, list[float]] = {kind: [] for kind in KINDS}  # the training thread's CPU time
     for i in range(warmup + steps):
         order = KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]
         for kind in order:
             ddp, optimizer = models[kind]
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start, work_start = time.perf_counter(), time.process_time(), time.thread_time()
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp(x), y)
             loss.backward()
@@ -101,10 +105,11 @@ def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], step
             if i >= warmup:
                 times[kind].append(time.perf_counter() - start)
                 cpu[kind].append(time.process_time() - cpu_start)
+                work[kind].append(time.thread_time() - work_start)
     assert all(w.step == warmup + steps and w.report is None for w in watchers)
     for w in watchers:
         w.close()
-    return pack({"wall": times, "cpu": cpu})
+    return pack({"wall": times, "cpu": cpu, "work": work})
 
 
 def main() -> None:
@@ -148,6 +153,15 @@ def main() -> None:
         print(
             "  CPU time of rank 0's process (what the watcher adds as work, not waiting): "
             + ", ".join(f"{kind}/plain {cpu[kind] / cpu['plain']:.3f}" for kind in KINDS[1:])
+        )
+        base = raw[0]["work"]["plain"]
+        work = {
+            kind: statistics.median(a / b for a, b in zip(raw[0]["work"][kind], base, strict=True))
+            for kind in KINDS
+        }
+        print(
+            "  training thread's CPU time, paired (the work watching adds; a machine's load hardly "
+            "moves it): " + ", ".join(f"{kind}/plain {work[kind]:.3f}" for kind in KINDS[1:])
         )
         worst = max(worst, paired["watched"])
     print(f"watched/plain = {worst:.3f} (paired median)")
