@@ -751,3 +751,32 @@ def test_host_names_are_compared_without_case() -> None:
     assert codes(twins, "node7") == ["node-host-duplicate"] and codes(twins, "NODE7") == [
         "node-host-duplicate"
     ]
+
+
+def test_a_budget_stop_waits_until_an_import_or_a_cleanup_is_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    import sys
+    import time
+
+    from gpudiag.repro.sweep.budget import BudgetSpent, hard_stop
+
+    done: list[str] = []
+
+    def close() -> None:  # (Ranks.close, a with block's __exit__: reaping, removing)
+        time.sleep(0.3)
+        done.append("closed")
+
+    with pytest.raises(BudgetSpent), hard_stop(0.05):
+        close()
+        time.sleep(5)
+    assert done == ["closed"]
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(0.3)\nREADY = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    began = time.monotonic()
+    with pytest.raises(BudgetSpent), hard_stop(0.05):
+        importlib.import_module("slow_to_import")
+        time.sleep(5)
+    assert sys.modules["slow_to_import"].READY and time.monotonic() - began < 1
+    monkeypatch.delitem(sys.modules, "slow_to_import")

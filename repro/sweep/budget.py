@@ -97,13 +97,20 @@ class Budget:
 _RETRY_S = 0.02
 
 
+#: Functions a stop must not land in: cleanup (a ``with`` block's exit, ``Ranks.close``
+#: reaping ranks, removing a folder) would be cut short and leave processes or files.
+_CLEANUP = frozenset({"__exit__", "close", "_reap", "rmtree", "cleanup", "__del__"})
+
+
 def _importing(frame: Any) -> bool:
-    """Whether ``frame`` or a caller is inside Python's import machinery. An exception
-    raised there leaves a module half made — measured: a check stopped while it imported
-    ``torch._dynamo`` made the next import of it abort the process ("Fatal Python error:
-    Aborted"), 1 run in 4 — so the stop waits until the import is over."""
+    """Whether ``frame`` or a caller is inside Python's import machinery or cleanup code
+    (:data:`_CLEANUP`). An exception raised in an import leaves a module half made —
+    measured: a check stopped while it imported ``torch._dynamo`` made the next import of
+    it abort the process ("Fatal Python error: Aborted"), 1 run in 4 — so the stop waits
+    until the import, or the cleanup, is over."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        code = frame.f_code
+        if code.co_name in _CLEANUP or code.co_filename.startswith("<frozen importlib"):
             return True
         frame = frame.f_back
     return False
@@ -115,7 +122,7 @@ def hard_stop(seconds: float) -> Iterator[None]:
     limit when ``seconds`` is infinite, outside the main thread, or where a timer is
     already set. The checks' own in-process deadlines (``runtime.deadline``) stand aside
     while this one runs (one timer per process); this one bounds them. Never inside an
-    import (:func:`_importing`): then a little later."""
+    import or a cleanup (:func:`_importing`): then a little later."""
     usable = (
         math.isfinite(seconds)
         and hasattr(signal, "setitimer")
@@ -127,7 +134,7 @@ def hard_stop(seconds: float) -> Iterator[None]:
         return
 
     def expire(_signum: int, frame: Any) -> None:
-        if _importing(frame):  # not in the middle of an import: try again in a moment
+        if _importing(frame):  # not in the middle of an import or a cleanup: again in a moment
             signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
             return
         signal.setitimer(signal.ITIMER_REAL, 0)
