@@ -108,17 +108,20 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
     """This rank's flight record written where the watchdog would write it
     (``<scratch>/nccl_trace_rank_<rank>``), when a collective of the sweep hung: NCCL's own
     dump comes only at the group's timeout, after rank 0 has written, and gloo makes none.
-    Through torch's private ``torch._C._distributed_c10d._dump_fr_trace(backend=...)``
-    (2.15; ``_dump_nccl_trace`` before), so best effort: None when absent or failing."""
+    Through torch's private ``torch._C._distributed_c10d._dump_nccl_trace()`` (NCCL) or
+    ``_dump_fr_trace(backend="gloo")`` (2.15), so best effort: None when absent or failing."""
     path = scratch / f"{DUMP_PREFIX}{rank}"
     if path.exists():  # (the watchdog's own)
         return path
     try:
         import torch._C._distributed_c10d as c10d
 
-        names = ("_dump_fr_trace", "_dump_nccl_trace")  # (2.15; before)
-        dump = next(getattr(c10d, name) for name in names if hasattr(c10d, name))
-        data = dump(backend=backend) if dump.__name__ == "_dump_fr_trace" else dump()
+        # ProcessGroupNCCL keeps its own recorder (of CUDA events), dumped by
+        # _dump_nccl_trace; gloo's is the c10::Event one _dump_fr_trace reads (2.15)
+        if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
+            data = c10d._dump_nccl_trace()
+        else:
+            data = c10d._dump_fr_trace(backend=backend)
         path.write_bytes(bytes(data))
     except Exception:
         return None
