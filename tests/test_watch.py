@@ -796,6 +796,51 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_the_users_com
         assert report["this_rank"] == rank
 
 
+def test_ddp_all_reduce_that_corrupts_at_the_last_step_is_said_at_close(tmp_path: Path) -> None:
+    """What the all-reduce alone made non-finite is agreed on at the next step; at the
+    last step there is none: the rank it reached says it at close(), a record and a
+    warning, without raising (the others saw nothing)."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        import warnings
+
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net())
+        step = [0]
+
+        def corrupting(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+            buffer = bucket.buffer().div_(world)
+
+            def done(fut: Any) -> torch.Tensor:
+                out = fut.value()[0]
+                if rank == 1 and step[0] == 3:
+                    out[0] = float("inf")
+                return out
+
+            return dist.all_reduce(buffer, async_op=True).get_future().then(done)
+
+        ddp.register_comm_hook(None, corrupting)
+        watcher = gpudiag.watch(ddp, "raise", record_dir=str(tmp_path))
+        for step[0] in range(4):
+            ddp(torch.randn(4, 8)).pow(2).mean().backward()
+            ddp.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watcher.close()
+        said = [str(w.message) for w in caught if isinstance(w.message, gpudiag.watch.NonFiniteWarning)]
+        return json.dumps({"said": said, "report": watcher.report and watcher.report.to_json()}).encode()
+
+    quiet, told = (json.loads(bytes(raw)) for raw in launch(rank_fn, 2, timeout=120, method="fork"))
+    assert quiet == {"said": [], "report": None}
+    assert len(told["said"]) == 1 and "came back non-finite from the all-reduce" in told["said"][0]
+    report = told["report"]
+    assert (report["rank"], report["step"], report["phase"], report["this_rank"]) == (1, 3, "all-reduce", 1)
+    assert sorted(read_records(tmp_path)) == ["watch-rank1.json"]
+
+
 def test_ddp_callbacks_in_another_order_fall_back_to_a_hook_per_gradient(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -133,6 +133,20 @@ def _grad_path(ddp: Any, comm_hook: bool | None) -> str:
 
 
 @dataclass
+class _Agreement:
+    """A DDP step's agreement word in flight: launched (MIN, async) at the end of the
+    backward, before DDP's finalize, so waiting for the other ranks overlaps the wait DDP's
+    finalize does anyway; ``parts``: this rank's witnesses it was made from (outputs, the
+    gradients into them, gradients before the all-reduce), read back with its result."""
+
+    work: Any
+    words: torch.Tensor
+    parts: list[torch.Tensor]
+    n_out: int
+    n_grad: int
+
+
+@dataclass
 class _CommState:
     """The DDP comm hook's state: the runtime's :class:`HookState` and the watcher (None
     once closed: the hook is then torch's ``allreduce_hook``)."""
@@ -352,6 +366,8 @@ class Watcher:
         self._bucket_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self._local: _Local | None = None  # a no_sync micro-step's local fault, not yet agreed
         self._pre_read: _PreFinalize | None = None  # this step's before-finalize read, while checked
+        self._agreement: _Agreement | None = None  # this step's agreement word, in flight
+        self._received_here: _Local | None = None  # what the all-reduce alone corrupted here, not yet agreed
 
         self._handles.append(model.register_forward_pre_hook(self._pre_root))
         if localize and not self.compiled:
@@ -509,7 +525,45 @@ class Watcher:
             and self.ddp.require_backward_grad_sync
         ):
             self._pre = self._read_before_finalize()
+        befores = self._befores()
+        if befores is not None:
+            self._agreement = self._agree(befores)
         _end_of_backward_callback()(self.after_backward)
+
+    def _befores(self) -> list[torch.Tensor] | None:
+        """This DDP step's witnesses of each rank's own gradients before the all-reduce
+        (per bucket, per gradient, or one vector), or None when this backward all-reduces
+        nothing (no DDP, ``no_sync``)."""
+        if self.ddp is None or self.done or self.closed or not self.ddp.require_backward_grad_sync:
+            return None
+        if self.grad_path == "before-finalize":
+            return [self._pre.witness] if self._pre is not None else None
+        if self.grad_path == "tensor-hooks":
+            return [w for _, w in self._param_sums] if self._param_sums else None
+        if self._comm is not None and self._synced:
+            return [p.before[:1] for p in self._comm.hook.pending]
+        return None
+
+    def _agree(self, befores: list[torch.Tensor]) -> _Agreement:
+        """Launch this step's agreement: per rank, the first step its own values went
+        non-finite (this one if a witness is, or an earlier ``no_sync`` micro-step's) and
+        the first step the all-reduce alone brought it non-finite values (found at an
+        earlier step's end, see :meth:`_check_synced`); MIN over the ranks, asynchronously."""
+        outs = [w for w, _, _ in self._outputs]
+        parts = [t.reshape(-1).float() for t in [*outs, *self._out_grads, *befores]]
+        device = parts[0].device if parts else self.device
+        parts = [t.to(device) for t in parts]
+        words = torch.full((2 * self.world,), _INF, dtype=torch.float32, device=device)
+        prior = float(self._local.step) if self._local is not None else _INF
+        if parts:
+            bad = ~torch.isfinite(torch.cat(parts)).all()
+            words[self.group_rank] = torch.where(bad, float(self.step), prior)
+        else:
+            words[self.group_rank] = prior
+        if self._received_here is not None:
+            words[self.world + self.group_rank] = float(self._received_here.step)
+        work = dist.all_reduce(words, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        return _Agreement(work, words, parts, len(outs), len(self._out_grads))
 
     def _read_before_finalize(self) -> "_PreFinalize":
         """Each rank's own gradients, witnessed in one pass before DDP copies the all-reduced
@@ -637,40 +691,39 @@ class Watcher:
             self._conclude(local, [], [])
 
     def _check_synced(self, befores: list[torch.Tensor], results: list[torch.Tensor]) -> None:
-        """DDP: local witnesses (``befores``: one value per bucket or gradient before the
-        all-reduce), what came back from it (``results``), and the agreement word."""
-        outs = [w for w, _, _ in self._outputs]
-        device = results[0].device if results else self.device
-        after = list(_grad_witness(results)) if results else []
-        local_parts = [w.to(device).reshape(-1) for w in [*outs, *self._out_grads]]
-        local_parts += [b.to(device).reshape(-1) for b in befores]
-        words = torch.full((2 * self.world,), _INF, dtype=torch.float32, device=device)
-        prior = float(self._local.step) if self._local is not None else _INF
-        if local_parts:
-            bad = ~torch.isfinite(torch.cat(local_parts)).all()
-            words[self.group_rank] = torch.where(bad, float(self.step), prior)
-        else:
-            words[self.group_rank] = prior
-        if after:
-            got_bad = ~torch.isfinite(torch.stack(after)).all()
-            words[self.world + self.group_rank] = torch.where(got_bad, float(self.step), _INF)
-        dist.all_reduce(words, op=dist.ReduceOp.MIN, group=self.group)
-        flat = torch.cat([*(p.float() for p in local_parts), words]).tolist()
-        agreed = flat[-2 * self.world :]
+        """DDP: the agreement launched at the end of the backward (or now, for a backward
+        the watcher did not see end), what came back from the all-reduce (``results``),
+        one read-back. A fault any rank's own values show is agreed on now, by every rank;
+        values that only the all-reduce made non-finite here (every rank's own finite)
+        are agreed on at the next step's agreement (or said at ``close()``)."""
+        agreement, self._agreement = self._agreement, None
+        if agreement is None:
+            agreement = self._agree(befores)
+        after = _grad_witness(results) if results else None
+        got_bad = (
+            (~torch.isfinite(after).all()).float().reshape(1).to(agreement.words.device)
+            if after is not None
+            else torch.zeros(1, device=agreement.words.device)
+        )
+        agreement.work.wait()
+        flat = torch.cat([*agreement.parts, agreement.words, got_bad]).tolist()
+        here_bad = flat[-1] > 0
+        agreed = flat[-1 - 2 * self.world : -1]
         firsts, received = agreed[: self.world], agreed[self.world :]
         if all(math.isinf(v) for v in firsts + received):
+            if here_bad and self._received_here is None:
+                # every rank's own values were finite: the all-reduce made these, here
+                self._received_here = self._received(results)
             return  # the usual step: nothing to see
         # Some rank saw a non-finite witness: every rank looks closer and all share it.
-        n_out, n_grad = len(outs), len(self._out_grads)
+        n_out, n_grad = agreement.n_out, agreement.n_grad
         fwd = flat[:n_out]
         out_grads = flat[n_out : n_out + n_grad]
         local = self._local
         if local is None and math.isfinite(firsts[self.group_rank]):
-            seen = flat[n_out + n_grad : n_out + n_grad + sum(b.numel() for b in befores)]
+            seen = flat[n_out + n_grad : len(flat) - 1 - 2 * self.world]
             local = self._diagnose(fwd, out_grads, self._synced_bad_grads(seen))
-        got: _Local | None = None
-        if math.isfinite(received[self.group_rank]):
-            got = self._received(results)
+        got = self._received_here
         views: list[Any] = [None] * self.world
         mine = {
             "local": asdict_local(local),
@@ -679,18 +732,23 @@ class Watcher:
             "run": self.run,
         }
         dist.all_gather_object(views, mine, group=self.group)
-        self._local = None
+        self._local = self._received_here = None
         self.run = str(views[0]["run"])  # one name for the job's records: its first rank's
         origins = [v["local"] for v in views if v["local"] is not None]
         receivers = [v["received"] for v in views if v["received"] is not None]
-        if origins:
-            first = min(origins, key=lambda d: (d["step"], d["rank"]))
-            also = [d["rank"] for d in origins if d is not first and d["step"] == first["step"]]
+        # the earliest step first; at one step a rank's own fault before what it caused
+        seen_first = [(d["step"], 0, d["rank"], d) for d in origins] + [
+            (d["step"], 1, d["rank"], d) for d in receivers
+        ]
+        if not seen_first:
+            return
+        step, kind, _, first = min(seen_first, key=lambda t: t[:3])
+        if kind == 0:
+            also = [d["rank"] for d in origins if d is not first and d["step"] == step]
             arrived = mine["local"] is None and first["rank"] != self.rank
             self._conclude(_Local(**first), also, [dict(v) for v in views], arrived=arrived)
-        elif receivers:
-            first = min(receivers, key=lambda d: (d["step"], d["rank"]))
-            also = [d["rank"] for d in receivers if d is not first]
+        else:
+            also = [d["rank"] for d in receivers if d is not first and d["step"] == step]
             self._conclude(_Local(**first), also, [dict(v) for v in views])
 
     def _synced_bad_grads(self, befores: list[float]) -> list[tuple[Any, int]]:
@@ -941,7 +999,12 @@ class Watcher:
     # -- reporting ---------------------------------------------------------------------
 
     def _conclude(
-        self, origin: _Local, also: list[int], views: list[dict[str, Any]], arrived: bool = False
+        self,
+        origin: _Local,
+        also: list[int],
+        views: list[dict[str, Any]],
+        arrived: bool = False,
+        raising: bool = True,
     ) -> None:
         report = NonFiniteReport(
             step=origin.step,
@@ -983,16 +1046,22 @@ class Watcher:
                     f"gpudiag.watch could not write its record in {folder}: {exc}",
                     stacklevel=_user_stacklevel(),
                 )
-        if self.mode == "raise":
+        if self.mode == "raise" and raising:
             raise NonFiniteError(report)
-        if self.mode == "warn":
+        if self.mode == "warn" or self.mode == "raise":
             warnings.warn(NonFiniteWarning(report), stacklevel=_user_stacklevel())
 
     # -- lifetime ----------------------------------------------------------------------
 
     def close(self) -> None:
         """Remove every hook. DDP cannot unregister a communication hook: from now on ours
-        does exactly what torch's ``allreduce_hook`` does, with nothing kept."""
+        does exactly what torch's ``allreduce_hook`` does, with nothing kept. Values the
+        all-reduce alone made non-finite on this rank at the last step, which no later
+        step's agreement told the other ranks, are reported here by this rank alone (the
+        record and a warning: close() does not raise)."""
+        if self._received_here is not None and not self.done and not self.closed:
+            local, self._received_here = self._received_here, None
+            self._conclude(local, [], [], raising=False)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
