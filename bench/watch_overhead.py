@@ -1,6 +1,6 @@
 """Cost of ``gpudiag.watch``: a watched DDP training step against the same step unwatched.
 
-    .venv/bin/python bench/watch_overhead.py [--steps 40] [--warmup 3]
+    .venv/bin/python bench/watch_overhead.py [--steps 150] [--warmup 3] [--kinds plain,watched]
     python3 bench/watch_overhead.py --device cuda [--world 1] [--steps 100] [--warmup 10]
 
 ``--device cpu`` (default): DDP over gloo, 2 ranks on the CPU, torchvision resnet18, a
@@ -9,8 +9,9 @@ global batch of 32 images of 3x64x64 (16 per rank), SGD — the configuration of
 (``torch.set_num_threads``). ``--device cuda``: DDP over NCCL, one rank per GPU (``--world``,
 default 1): resnet18 batch 32 at 64 px, resnet50 batch 64 at 224 px.
 
-Each rank holds four DDP models of the same weights, stepped round-robin (the order
-rotates every step) so all see the same machine load:
+Each rank holds DDP models of the same weights (``--kinds``; by default ``plain`` and
+``watched``, ``--kinds plain,hooked,watched,watched-bucket`` for all four), stepped
+round-robin (the order rotates every step) so all see the same machine load:
 
 - ``plain``: DDP as users run it (no comm hook: the reducer's C++ all-reduce) — the baseline;
 - ``hooked``: DDP with torch's Python ``allreduce_hook``, for reference (what any Python
@@ -60,7 +61,15 @@ CONFIGS = {
 }
 
 
-def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], steps: int, warmup: int) -> bytes:
+def _rank(
+    rank: int,
+    world: int,
+    device: str,
+    config: tuple[str, int, int],
+    steps: int,
+    warmup: int,
+    kinds: tuple[str, ...] = KINDS,
+) -> bytes:
     import torch.distributed as dist
     import torch.nn.functional as F
     import torchvision
@@ -75,7 +84,7 @@ def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], step
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     models = {}
     watchers = []
-    for kind in KINDS:
+    for kind in kinds:
         torch.manual_seed(0)
         model = torchvision.models.get_model(name, num_classes=10).to(target)
         ddp = DistributedDataParallel(model, device_ids=[rank] if device == "cuda" else None)
@@ -89,11 +98,11 @@ def _rank(rank: int, world: int, device: str, config: tuple[str, int, int], step
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, side, side, generator=g).chunk(world)[rank].to(target)
     y = torch.randint(0, 10, (batch,), generator=g).chunk(world)[rank].to(target)
-    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    cpu: dict[str, list[float]] = {kind: [] for kind in KINDS}  # this process's CPU time, all threads
-    work: dict[str, list[float]] = {kind: [] for kind in KINDS}  # the training thread's CPU time
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}  # this process's CPU time, all threads
+    work: dict[str, list[float]] = {kind: [] for kind in kinds}  # the training thread's CPU time
     for i in range(warmup + steps):
-        order = KINDS[i % len(KINDS) :] + KINDS[: i % len(KINDS)]
+        order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
         for kind in order:
             ddp, optimizer = models[kind]
             start, cpu_start, work_start = time.perf_counter(), time.process_time(), time.thread_time()
@@ -116,52 +125,68 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--kinds",
+        default="plain,watched",
+        help="the models stepped round-robin, plain and watched among them (fewer kinds: more rounds "
+        "in the same time, a tighter median)",
+    )
     args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if kinds[0] != "plain" or "watched" not in kinds or not set(kinds) <= set(KINDS):
+        parser.error(f"--kinds: plain first, watched among them, from {', '.join(KINDS)}")
     world = args.world or (2 if args.device == "cpu" else 1)
     backend = "gloo" if args.device == "cpu" else "nccl"
     worst = 0.0
     for config in CONFIGS[args.device]:
-        task = (args.device, config, args.steps, args.warmup)
+        task = (args.device, config, args.steps, args.warmup, kinds)
         raw = [unpack(p) for p in launch(_rank, world, backend=backend, timeout=3600, args=task)]
         results = [r["wall"] for r in raw]
-        median = {kind: statistics.median(results[0][kind]) for kind in KINDS}
-        best = {kind: min(results[0][kind]) for kind in KINDS}
+        median = {kind: statistics.median(results[0][kind]) for kind in kinds}
+        best = {kind: min(results[0][kind]) for kind in kinds}
         name, batch, side = config
         print(f"{name} batch {batch} at {side} px, {world} rank(s) over {backend}, torch {torch.__version__}")
-        for kind in KINDS:
+        for kind in kinds:
             print(
                 f"  {kind:14s} median {median[kind] * 1e3:.2f} ms/step, best {best[kind] * 1e3:.2f} "
                 f"over {args.steps} steps (rank 0)"
             )
-        for kind in KINDS[1:]:
+        for kind in kinds[1:]:
             print(
                 f"  {kind}/plain = {median[kind] / median['plain']:.3f} "
                 f"(best/best {best[kind] / best['plain']:.3f})"
             )
-        print(f"  watched/hooked = {median['watched'] / median['hooked']:.3f}")
+        if "hooked" in kinds:
+            print(f"  watched/hooked = {median['watched'] / median['hooked']:.3f}")
         paired = {
             kind: statistics.median(a / b for a, b in zip(results[0][kind], results[0]["plain"], strict=True))
-            for kind in KINDS
+            for kind in kinds
         }
         print(
             "  paired (median over steps of each round's ratio): "
-            + ", ".join(f"{kind}/plain {paired[kind]:.3f}" for kind in KINDS[1:])
+            + ", ".join(f"{kind}/plain {paired[kind]:.3f}" for kind in kinds[1:])
         )
-        cpu = {kind: statistics.median(raw[0]["cpu"][kind]) for kind in KINDS}
+        cpu = {kind: statistics.median(raw[0]["cpu"][kind]) for kind in kinds}
         print(
             "  CPU time of rank 0's process (what the watcher adds as work, not waiting): "
-            + ", ".join(f"{kind}/plain {cpu[kind] / cpu['plain']:.3f}" for kind in KINDS[1:])
+            + ", ".join(f"{kind}/plain {cpu[kind] / cpu['plain']:.3f}" for kind in kinds[1:])
         )
         base = raw[0]["work"]["plain"]
         work = {
             kind: statistics.median(a / b for a, b in zip(raw[0]["work"][kind], base, strict=True))
-            for kind in KINDS
+            for kind in kinds
         }
         print(
             "  training thread's CPU time, paired (the work watching adds; a machine's load hardly "
-            "moves it): " + ", ".join(f"{kind}/plain {work[kind]:.3f}" for kind in KINDS[1:])
+            "moves it): " + ", ".join(f"{kind}/plain {work[kind]:.3f}" for kind in kinds[1:])
+        )
+        ratios = sorted(a / b for a, b in zip(results[0]["watched"], results[0]["plain"], strict=True))
+        quarter = len(ratios) // 4
+        print(
+            f"  watched/plain per round: median {statistics.median(ratios):.3f}, "
+            f"interquartile {ratios[quarter]:.3f}-{ratios[-1 - quarter]:.3f} over {len(ratios)} rounds"
         )
         worst = max(worst, paired["watched"])
     print(f"watched/plain = {worst:.3f} (paired median)")
