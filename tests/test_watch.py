@@ -752,30 +752,36 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives() -> None:
         assert report["this_rank"] == rank
 
 
+def _corrupting_hook(here: bool, step: list[int], at: int, value: float) -> Any:
+    """A user's DDP comm hook: torch's all-reduce (mean), after which, on the rank where
+    ``here`` is true, one element of what came back at step ``at`` (``step[0]``) is ``value``."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # (DDP checks annotations: none here)
+        buffer = bucket.buffer().div_(dist.get_world_size())
+
+        def done(fut: Any) -> torch.Tensor:
+            out = fut.value()[0]
+            if here and step[0] == at:
+                out[3] = value
+            return out
+
+        return dist.all_reduce(buffer, async_op=True).get_future().then(done)
+
+    return hook
+
+
 def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_the_users_comm_hook() -> None:
     """The default way (DDP's all-reduce left alone, here the user's own comm hook): what
     rank 1 receives at step 2 turns NaN although both ranks' own gradients were finite."""
 
     def rank_fn(rank: int, world: int) -> bytes:
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
         ddp = DistributedDataParallel(Net())
         step = [0]
-
-        def corrupting(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-            buffer = bucket.buffer().div_(world)
-
-            def done(fut: Any) -> torch.Tensor:
-                out = fut.value()[0]
-                if rank == 1 and step[0] == 2:
-                    out[3] = float("nan")
-                return out
-
-            return dist.all_reduce(buffer, async_op=True).get_future().then(done)
-
-        ddp.register_comm_hook(None, corrupting)
+        ddp.register_comm_hook(None, _corrupting_hook(rank == 1, step, 2, float("nan")))
         watcher = gpudiag.watch(ddp, "raise", record_dir=False)
         assert watcher.grad_path == "before-finalize" and watcher._comm is None
         try:
@@ -804,25 +810,12 @@ def test_ddp_all_reduce_that_corrupts_at_the_last_step_is_said_at_close(tmp_path
     def rank_fn(rank: int, world: int) -> bytes:
         import warnings
 
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
         ddp = DistributedDataParallel(Net())
         step = [0]
-
-        def corrupting(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-            buffer = bucket.buffer().div_(world)
-
-            def done(fut: Any) -> torch.Tensor:
-                out = fut.value()[0]
-                if rank == 1 and step[0] == 3:
-                    out[0] = float("inf")
-                return out
-
-            return dist.all_reduce(buffer, async_op=True).get_future().then(done)
-
-        ddp.register_comm_hook(None, corrupting)
+        ddp.register_comm_hook(None, _corrupting_hook(rank == 1, step, 3, float("inf")))
         watcher = gpudiag.watch(ddp, "raise", record_dir=str(tmp_path))
         for step[0] in range(4):
             ddp(torch.randn(4, 8)).pow(2).mean().backward()
