@@ -31,16 +31,21 @@ class PhaseTimeout(GpudiagError):
     exit_code = EXIT_PROBLEM
 
 
-@contextlib.contextmanager
-def deadline(seconds: float, what: str) -> Iterator[None]:
-    """Stop the block with :class:`PhaseTimeout` after ``seconds`` (``what`` names it)."""
-    usable = (
-        seconds > 0
-        and hasattr(signal, "setitimer")
+def alarm_free() -> bool:
+    """Whether this thread may arm ``SIGALRM`` (``setitimer(ITIMER_REAL)``): the main
+    thread (the only one that runs signal handlers), on a platform that has it, with no
+    timer armed already (one per process)."""
+    return (
+        hasattr(signal, "setitimer")
         and threading.current_thread() is threading.main_thread()
         and signal.getitimer(signal.ITIMER_REAL)[0] == 0
     )
-    if not usable:
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Stop the block with :class:`PhaseTimeout` after ``seconds`` (``what`` names it)."""
+    if not (seconds > 0 and alarm_free()):
         yield
         return
 

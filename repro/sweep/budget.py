@@ -22,12 +22,12 @@ import contextlib
 import math
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from gpudiag.errors import InputError
+from gpudiag.runtime.deadline import alarm_free
 
 QUICK_BUDGET_S = 50.0
 BUDGET_VARIABLE = "GPUDIAG_SWEEP_BUDGET"
@@ -123,13 +123,7 @@ def hard_stop(seconds: float) -> Iterator[None]:
     already set. The checks' own in-process deadlines (``runtime.deadline``) stand aside
     while this one runs (one timer per process); this one bounds them. Never inside an
     import or a cleanup (:func:`_importing`): then a little later."""
-    usable = (
-        math.isfinite(seconds)
-        and hasattr(signal, "setitimer")
-        and threading.current_thread() is threading.main_thread()
-        and signal.getitimer(signal.ITIMER_REAL)[0] == 0
-    )
-    if not usable:
+    if not (math.isfinite(seconds) and alarm_free()):
         yield
         return
 
