@@ -771,9 +771,12 @@ def _corrupting_hook(here: bool, step: list[int], at: int, value: float) -> Any:
     return hook
 
 
-def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_the_users_comm_hook() -> None:
+@pytest.mark.parametrize("optimizer", [False, True], ids=["no-optimizer", "sgd"])
+def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_a_users_hook(optimizer: bool) -> None:
     """The default way (DDP's all-reduce left alone, here the user's own comm hook): what
-    rank 1 receives at step 2 turns NaN although both ranks' own gradients were finite."""
+    rank 1 receives at step 2 turns NaN although both ranks' own gradients were finite —
+    named at step 2, phase all-reduce, also when rank 1's optimizer has made its parameters
+    non-finite from it by the next step's agreement (the all-reduce came first)."""
 
     def rank_fn(rank: int, world: int) -> bytes:
         from torch.nn.parallel import DistributedDataParallel
@@ -784,9 +787,12 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_the_users_com
         ddp.register_comm_hook(None, _corrupting_hook(rank == 1, step, 2, float("nan")))
         watcher = gpudiag.watch(ddp, "raise", record_dir=False)
         assert watcher.grad_path == "before-finalize" and watcher._comm is None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         try:
             for step[0] in range(4):
                 ddp(torch.randn(4, 8)).pow(2).mean().backward()
+                if optimizer:
+                    opt.step()
                 ddp.zero_grad()
         except NonFiniteError as exc:
             return json.dumps(exc.report.to_json()).encode()
@@ -795,11 +801,47 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_the_users_com
     for rank, raw in enumerate(launch(rank_fn, 2, timeout=120, method="fork")):
         report = json.loads(bytes(raw))
         assert (report["rank"], report["step"], report["phase"]) == (1, 2, "all-reduce"), report
+        # with an optimizer, rank 1's own parameters went non-finite by the next step too
         assert report["ranks"] == [
             {"rank": 0, "own": False, "received": False},
-            {"rank": 1, "own": False, "received": True},
+            {"rank": 1, "own": optimizer, "received": True},
         ]
         assert report["this_rank"] == rank
+
+
+def test_ddp_fp16_compressed_all_reduce_overflowing_under_a_grad_scaler_is_its_skip() -> None:
+    """torch's fp16_compress_hook with a GradScaler at its default scale: scaled gradients
+    finite in float32 overflow float16 in the all-reduce; the scaler skips those steps and
+    lowers its scale (healthy AMP). Noted as the scaler's skips, never a fault."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net())
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        scaler = torch.amp.GradScaler("cpu")  # 65536
+        watcher = gpudiag.watch(ddp, "raise", scaler=scaler, record_dir=False)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(8):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = (ddp(torch.randn(4, 8, generator=g) * 30).float() - 5).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        watcher.close()
+        kinds = sorted({(e.kind, e.phase) for e in watcher.events})
+        return json.dumps(
+            {"report": watcher.report is not None, "kinds": kinds, "scale": scaler.get_scale()}
+        ).encode()
+
+    for raw in launch(rank_fn, 2, timeout=120, method="fork"):
+        result = json.loads(bytes(raw))
+        assert result["report"] is False and result["scale"] < 65536, result
+        assert result["kinds"] == [["scaler-skip", "all-reduce"]], result
 
 
 def test_ddp_all_reduce_that_corrupts_at_the_last_step_is_said_at_close(tmp_path: Path) -> None:

@@ -187,6 +187,9 @@ def _version(t: torch.Tensor) -> int:
     return int(getattr(t, "_version", -1))
 
 
+#: Where in a step each phase comes (the order a fault's consequences follow it in).
+_PHASE_ORDER = {"input": 0, "transfer": 1, "forward": 1, "backward": 2, "all-reduce": 3, "optimizer": 4}
+
 #: Packages whose frames a warning skips to point at the user's line (``loss.backward()``).
 _LIBRARIES = ("gpudiag", "torch", "lightning", "pytorch_lightning", "transformers", "accelerate")
 
@@ -736,13 +739,15 @@ class Watcher:
         self.run = str(views[0]["run"])  # one name for the job's records: its first rank's
         origins = [v["local"] for v in views if v["local"] is not None]
         receivers = [v["received"] for v in views if v["received"] is not None]
-        # the earliest step first; at one step a rank's own fault before what it caused
-        seen_first = [(d["step"], 0, d["rank"], d) for d in origins] + [
-            (d["step"], 1, d["rank"], d) for d in receivers
+        # the earliest step first; within it the earliest phase (a step's optimizer comes after
+        # its all-reduce: parameters the optimizer made non-finite from gradients the all-reduce
+        # broke are that all-reduce's doing); at one phase a rank's own fault first
+        seen_first = [(d["step"], _PHASE_ORDER.get(d["phase"], 0), 0, d["rank"], d) for d in origins] + [
+            (d["step"], _PHASE_ORDER.get(d["phase"], 0), 1, d["rank"], d) for d in receivers
         ]
         if not seen_first:
             return
-        step, kind, _, first = min(seen_first, key=lambda t: t[:3])
+        step, _, kind, _, first = min(seen_first, key=lambda t: t[:4])
         if kind == 0:
             also = [d["rank"] for d in origins if d is not first and d["step"] == step]
             arrived = mine["local"] is None and first["rank"] != self.rank
@@ -773,18 +778,23 @@ class Watcher:
         return [(by_name[name], bad) for _, name, bad, _ in self._bad_params if name in by_name]
 
     def _received(self, results: list[torch.Tensor]) -> _Local | None:
+        """What the all-reduce alone made non-finite here (exact count), or None. Under an
+        enabled GradScaler it is an overflow the scaler skips (a compressing comm hook's
+        fp16 overflowing is the usual one), noted, not a fault."""
         bad = sum(int((~torch.isfinite(r)).sum()) for r in results)
         if not bad:
             return None
         total = sum(r.numel() for r in results)
-        return _Local(
-            self.step,
-            "all-reduce",
-            "",
-            str(self.device),
-            f"{bad} of {total} gradient values came back non-finite from the all-reduce while every "
-            "rank's own gradients were finite",
-            self.rank,
+        return self._scaler_skip(
+            _Local(
+                self.step,
+                "all-reduce",
+                "",
+                str(self.device),
+                f"{bad} of {total} gradient values came back non-finite from the all-reduce while every "
+                "rank's own gradients were finite",
+                self.rank,
+            )
         )
 
     # -- naming the origin (only once a witness is not finite) -------------------------
