@@ -597,6 +597,39 @@ def test_autograd_grad_is_not_a_step_and_a_second_backward_is_checked() -> None:
     assert report is not None and (report.step, report.module, report.phase) == (1, "body.2.lin", "backward")
 
 
+@pytest.mark.parametrize("loop", ["assigned-grads", "optimizer-in-backward"])
+def test_loops_whose_backward_leaves_grad_unchanged_are_checked(loop: str) -> None:
+    """autograd.grad whose gradients the loop assigns itself, and an optimizer stepping
+    inside the backward (emptying .grad): each backward is a step, checked."""
+    torch.manual_seed(0)
+    net = Net()
+    params = list(net.parameters())
+    poison(net.body[2].lin, lambda: watcher.step == 2)
+    opts = {id(p): torch.optim.SGD([p], lr=0.05) for p in params}
+    if loop == "optimizer-in-backward":  # the PyTorch tutorial's pattern
+
+        def step_now(p: torch.Tensor) -> None:
+            opts[id(p)].step()
+            p.grad = None
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(step_now)
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        for _ in range(4):
+            loss = net(torch.randn(4, 8)).pow(2).mean()
+            if loop == "assigned-grads":
+                for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+                    p.grad = g
+                for opt in opts.values():
+                    opt.step()
+            else:
+                loss.backward()
+            if watcher.report is None:
+                assert watcher.step >= 1
+    report = watcher.report
+    assert report is not None and (report.step, report.module, report.phase) == (2, "body.2.lin", "forward")
+
+
 def test_forwards_without_backward_are_let_go() -> None:
     net = Net()
     with gpudiag.watch(net, record_dir=False) as watcher:
@@ -809,20 +842,24 @@ def test_ddp_all_reduce_that_corrupts_what_one_rank_receives_under_a_users_hook(
         assert report["this_rank"] == rank
 
 
-def test_ddp_fp16_compressed_all_reduce_overflowing_under_a_grad_scaler_is_its_skip() -> None:
+@pytest.mark.parametrize("bad_step", [-1, 1], ids=["clean", "nan-at-1"])
+def test_ddp_fp16_compressed_all_reduce_overflowing_under_a_grad_scaler_is_its_skip(bad_step: int) -> None:
     """torch's fp16_compress_hook with a GradScaler at its default scale: scaled gradients
     finite in float32 overflow float16 in the all-reduce; the scaler skips those steps and
-    lowers its scale (healthy AMP). Noted as the scaler's skips, never a fault."""
+    lowers its scale (healthy AMP). Noted as the scaler's skips, never a fault — and a real
+    NaN beside them (rank 1's forward at step 1, agreed with step 0's skip) still is one."""
 
     def rank_fn(rank: int, world: int) -> bytes:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
-        ddp = DistributedDataParallel(Net())
+        net = Net()
+        poison(net.body[2].lin, lambda: rank == 1 and watcher.step == bad_step)
+        ddp = DistributedDataParallel(net)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         scaler = torch.amp.GradScaler("cpu")  # 65536
-        watcher = gpudiag.watch(ddp, "raise", scaler=scaler, record_dir=False)
+        watcher = gpudiag.watch(ddp, "record", scaler=scaler, record_dir=False)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(rank)
         for _ in range(8):
@@ -833,15 +870,19 @@ def test_ddp_fp16_compressed_all_reduce_overflowing_under_a_grad_scaler_is_its_s
             scaler.update()
             opt.zero_grad()
         watcher.close()
-        kinds = sorted({(e.kind, e.phase) for e in watcher.events})
-        return json.dumps(
-            {"report": watcher.report is not None, "kinds": kinds, "scale": scaler.get_scale()}
-        ).encode()
+        kinds = sorted({(e.kind, e.phase) for e in watcher.events if e.kind == "scaler-skip"})
+        report = watcher.report
+        found = None if report is None else [report.step, report.rank, report.module, report.phase]
+        result = {"report": found, "kinds": kinds, "scale": scaler.get_scale()}
+        return json.dumps(result).encode()
 
     for raw in launch(rank_fn, 2, timeout=120, method="fork"):
         result = json.loads(bytes(raw))
-        assert result["report"] is False and result["scale"] < 65536, result
         assert result["kinds"] == [["scaler-skip", "all-reduce"]], result
+        if bad_step < 0:
+            assert result["report"] is None and result["scale"] < 65536, result
+        else:
+            assert result["report"] == [1, 1, "body.2.lin", "forward"], result
 
 
 def test_ddp_all_reduce_that_corrupts_at_the_last_step_is_said_at_close(tmp_path: Path) -> None:
@@ -866,14 +907,103 @@ def test_ddp_all_reduce_that_corrupts_at_the_last_step_is_said_at_close(tmp_path
             warnings.simplefilter("always")
             watcher.close()
         said = [str(w.message) for w in caught if isinstance(w.message, gpudiag.watch.NonFiniteWarning)]
-        return json.dumps({"said": said, "report": watcher.report and watcher.report.to_json()}).encode()
+        report = watcher.report and watcher.report.to_json()
+        return json.dumps({"said": said, "report": report, "run": watcher.run}).encode()
 
     quiet, told = (json.loads(bytes(raw)) for raw in launch(rank_fn, 2, timeout=120, method="fork"))
-    assert quiet == {"said": [], "report": None}
+    assert quiet["run"] == told["run"]  # one name for the job's records, agreed at watch()
+    assert (quiet["said"], quiet["report"]) == ([], None)
     assert len(told["said"]) == 1 and "came back non-finite from the all-reduce" in told["said"][0]
     report = told["report"]
     assert (report["rank"], report["step"], report["phase"], report["this_rank"]) == (1, 3, "all-reduce", 1)
     assert sorted(read_records(tmp_path)) == ["watch-rank1.json"]
+
+
+def test_ddp_a_fault_in_the_last_no_sync_micro_step_is_said_at_close() -> None:
+    """A no_sync micro-step's fault is agreed on at the next synchronised backward; after
+    the last micro-step there is none: its rank says it at close() (record, warning)."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        import warnings
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        net = Net()
+        ddp = DistributedDataParallel(net)
+        poison(net.body[2].lin, lambda: rank == 0 and watcher.step == 4)
+        watcher = gpudiag.watch(ddp, "raise", record_dir=False)  # (close() warns instead)
+        for _ in range(2):
+            ddp(torch.randn(4, 8)).pow(2).mean().backward()
+            with ddp.no_sync():
+                ddp(torch.randn(4, 8)).pow(2).mean().backward()
+        with ddp.no_sync():  # the run ends on a micro-step: step 4
+            ddp(torch.randn(4, 8)).pow(2).mean().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watcher.close()
+        said = [str(w.message) for w in caught if isinstance(w.message, gpudiag.watch.NonFiniteWarning)]
+        return json.dumps(said).encode()
+
+    told, quiet = (json.loads(bytes(raw)) for raw in launch(rank_fn, 2, timeout=120, method="fork"))
+    assert quiet == [] and len(told) == 1 and "step 4: arose on rank 0" in told[0], told
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["clean", "nan-on-rank-0"])
+def test_ddp_join_with_uneven_inputs_does_not_hang(bad: bool) -> None:
+    """Under ``ddp.join()`` a rank out of data shadows only DDP's collectives: the watcher
+    exchanges nothing then (no hang), and each rank says what it saw — rank 0 its own NaN,
+    rank 1 that the all-reduce brought it non-finite values."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        net = Net()
+        ddp = DistributedDataParallel(net)
+        poison(net.body[2].lin, lambda: bad and rank == 0 and watcher.step == 1)
+        watcher = gpudiag.watch(ddp, "record", record_dir=False)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        with ddp.join():
+            for _ in range(6 if rank == 0 else 3):
+                ddp(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        report = watcher.report
+        watcher.close()
+        return json.dumps(None if report is None else [report.step, report.rank, report.phase]).encode()
+
+    zero, one = (json.loads(bytes(raw)) for raw in launch(rank_fn, 2, timeout=60, method="fork"))
+    if not bad:
+        assert (zero, one) == (None, None)
+    else:
+        assert zero == [1, 0, "forward"] and one == [1, 1, "all-reduce"], (zero, one)
+
+
+def test_ddp_second_backward_through_a_retained_graph_is_no_callback_order_problem() -> None:
+    """DDP does not all-reduce a second backward through a retained graph (its finalize
+    writes nothing then): the callback-order check, confirmed by the first, stays quiet."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        import warnings
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Net())
+        watcher = gpudiag.watch(ddp, "raise", record_dir=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                loss = ddp(torch.randn(4, 8)).pow(2).mean()
+                loss.backward(retain_graph=True)
+                loss.backward()
+                ddp.zero_grad()
+        said = [str(w.message) for w in caught if "gpudiag" in str(w.message)]
+        return json.dumps({"path": watcher.grad_path, "said": said, "steps": watcher.step}).encode()
+
+    for raw in launch(rank_fn, 2, timeout=120, method="fork"):
+        assert json.loads(bytes(raw)) == {"path": "before-finalize", "said": [], "steps": 6}
 
 
 def test_ddp_callbacks_in_another_order_fall_back_to_a_hook_per_gradient(

@@ -343,7 +343,7 @@ class Watcher:
             self.blind.append("localize=False: forward faults are named at the model's output")
 
         self.step = 0  # backward passes completed
-        #: this run's name in its records (under DDP the first rank's, agreed on at the fault)
+        #: this run's name in its records (under DDP the first rank's, agreed on at watch())
         self.run = uuid.uuid4().hex[:12]
         self.done = False  # the first fault was reported: nothing more is checked
         self.closed = False
@@ -370,6 +370,7 @@ class Watcher:
         self._local: _Local | None = None  # a no_sync micro-step's local fault, not yet agreed
         self._pre_read: _PreFinalize | None = None  # this step's before-finalize read, while checked
         self._agreement: _Agreement | None = None  # this step's agreement word, in flight
+        self._order_seen = False  # DDP's finalize was seen to come after the before-finalize read
         self._received_here: _Local | None = None  # what the all-reduce alone corrupted here, not yet agreed
 
         self._handles.append(model.register_forward_pre_hook(self._pre_root))
@@ -387,6 +388,11 @@ class Watcher:
         self.grad_path = "local"
         if self.ddp is not None:
             self.grad_path = _grad_path(self.ddp, comm_hook)
+        if self.ddp is not None and self.world > 1:  # one name for the job's records, its first rank's
+            names = [self.run]
+            first_rank = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            dist.broadcast_object_list(names, src=first_rank, group=self.group)
+            self.run = str(names[0])
         if self.grad_path == "bucket-hook":
             state = HookState(self.group_rank, self.world)
             state.on_bucket = self._on_bucket
@@ -492,7 +498,8 @@ class Watcher:
             return
         if not self._queued:  # the first output this backward reaches
             self._queued, self._dirty = True, True
-            self._grads_before = self._grad_state()
+            # grad mode inside a backward is its create_graph: a gradient penalty's autograd.grad
+            self._grads_before = self._grad_state() if torch.is_grad_enabled() else None
             self._out_grads_mark = len(self._out_grads)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
@@ -514,8 +521,10 @@ class Watcher:
         bucket is ready, reducer.cpp): under ``before-finalize`` each rank's own gradients
         are still in ``param.grad`` here, the all-reduced ones only in DDP's buckets.
 
-        A backward that accumulated no gradient (``torch.autograd.grad``, e.g. a gradient
-        penalty before the real backward) is not a step: nothing is checked or let go."""
+        A backward with ``create_graph=True`` that accumulated no gradient (a gradient
+        penalty's ``torch.autograd.grad`` before the real backward) is not a step: nothing is
+        checked or let go. Any other backward is (``autograd.grad`` whose gradients the loop
+        assigns itself, an optimizer stepping inside the backward that empties ``.grad``)."""
         before, self._grads_before = self._grads_before, None
         if before is not None and before == self._grad_state():
             self._queued = False
@@ -565,8 +574,18 @@ class Watcher:
             words[self.group_rank] = prior
         if self._received_here is not None:
             words[self.world + self.group_rank] = float(self._received_here.step)
-        work = dist.all_reduce(words, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        work = None
+        if not self._joining():
+            work = dist.all_reduce(words, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         return _Agreement(work, words, parts, len(outs), len(self._out_grads))
+
+    def _joining(self) -> bool:
+        """Whether DDP runs under ``join()`` (uneven inputs: a rank out of data shadows only
+        DDP's own collectives, so the watcher's would hang): then each rank judges what it
+        saw, its own values and what the all-reduce brought it, and exchanges nothing.
+        (DDP's ``_join_config``, guarded: a torch without it is taken as not joining.)"""
+        config = getattr(self.ddp, "_join_config", None)
+        return bool(getattr(config, "enable", False))
 
     def _read_before_finalize(self) -> "_PreFinalize":
         """Each rank's own gradients, witnessed in one pass before DDP copies the all-reduced
@@ -585,8 +604,13 @@ class Watcher:
         """Whether DDP's finalize wrote the all-reduced gradients *after* this rank's own were
         read (what ``before-finalize`` rests on): it copies into each used gradient in place,
         so their in-place versions moved on. If none did, this torch orders its callbacks
-        otherwise: say so once, and watch each gradient as it arrives from the next step."""
-        if not pre.versions or any(_version(g) != v for g, v in pre.versions):
+        otherwise: say so once, and watch each gradient as it arrives from the next step.
+        Checked until seen once (the order is the torch's, not the step's): a backward DDP
+        does not all-reduce (a second one through a retained graph) moves nothing."""
+        if self._order_seen or not pre.versions:
+            return True
+        if any(_version(g) != v for g, v in pre.versions):
+            self._order_seen = True
             return True
         warnings.warn(
             "gpudiag.watch: DDP's end-of-backward work ran before the watcher's on this torch "
@@ -708,7 +732,9 @@ class Watcher:
             if after is not None
             else torch.zeros(1, device=agreement.words.device)
         )
-        agreement.work.wait()
+        alone = agreement.work is None
+        if not alone:
+            agreement.work.wait()
         flat = torch.cat([*agreement.parts, agreement.words, got_bad]).tolist()
         here_bad = flat[-1] > 0
         agreed = flat[-1 - 2 * self.world : -1]
@@ -717,6 +743,9 @@ class Watcher:
             if here_bad and self._received_here is None:
                 # every rank's own values were finite: the all-reduce made these, here
                 self._received_here = self._received(results)
+                if alone and self._received_here is not None:  # nobody to tell later
+                    said, self._received_here = self._received_here, None
+                    self._conclude(said, [], [])
             return  # the usual step: nothing to see
         # Some rank saw a non-finite witness: every rank looks closer and all share it.
         n_out, n_grad = agreement.n_out, agreement.n_grad
@@ -727,34 +756,37 @@ class Watcher:
             seen = flat[n_out + n_grad : len(flat) - 1 - 2 * self.world]
             local = self._diagnose(fwd, out_grads, self._synced_bad_grads(seen))
         got = self._received_here
-        views: list[Any] = [None] * self.world
-        mine = {
-            "local": asdict_local(local),
-            "received": asdict_local(got),
-            "rank": self.rank,
-            "run": self.run,
-        }
-        dist.all_gather_object(views, mine, group=self.group)
+        mine = {"local": asdict_local(local), "received": asdict_local(got), "rank": self.rank}
+        views: list[Any] = [mine]
+        if not alone:
+            views = [None] * self.world
+            dist.all_gather_object(views, mine, group=self.group)
         self._local = self._received_here = None
-        self.run = str(views[0]["run"])  # one name for the job's records: its first rank's
         origins = [v["local"] for v in views if v["local"] is not None]
         receivers = [v["received"] for v in views if v["received"] is not None]
         # the earliest step first; within it the earliest phase (a step's optimizer comes after
         # its all-reduce: parameters the optimizer made non-finite from gradients the all-reduce
-        # broke are that all-reduce's doing); at one phase a rank's own fault first
-        seen_first = [(d["step"], _PHASE_ORDER.get(d["phase"], 0), 0, d["rank"], d) for d in origins] + [
-            (d["step"], _PHASE_ORDER.get(d["phase"], 0), 1, d["rank"], d) for d in receivers
-        ]
-        if not seen_first:
-            return
-        step, _, kind, _, first = min(seen_first, key=lambda t: t[:4])
-        if kind == 0:
-            also = [d["rank"] for d in origins if d is not first and d["step"] == step]
-            arrived = mine["local"] is None and first["rank"] != self.rank
+        # broke are that all-reduce's doing); at one phase a rank's own fault first. Overflows
+        # a GradScaler skips are noted one per step, and never hide a fault beside them.
+        entries = sorted(
+            [(d["step"], _PHASE_ORDER.get(d["phase"], 0), 0, d["rank"], d) for d in origins]
+            + [(d["step"], _PHASE_ORDER.get(d["phase"], 0), 1, d["rank"], d) for d in receivers],
+            key=lambda t: t[:4],
+        )
+        skipped = set()
+        for step, _, kind, _, first in entries:
+            if first["kind"] == "scaler-skip":
+                if step not in skipped:
+                    skipped.add(step)
+                    self._conclude(_Local(**first), [], [dict(v) for v in views])
+                continue
+            same = origins if kind == 0 else receivers
+            also = [
+                d["rank"] for d in same if d is not first and d["step"] == step and d["kind"] != "scaler-skip"
+            ]
+            arrived = kind == 0 and mine["local"] is None and first["rank"] != self.rank
             self._conclude(_Local(**first), also, [dict(v) for v in views], arrived=arrived)
-        else:
-            also = [d["rank"] for d in receivers if d is not first and d["step"] == step]
-            self._conclude(_Local(**first), also, [dict(v) for v in views])
+            return
 
     def _synced_bad_grads(self, befores: list[float]) -> list[tuple[Any, int]]:
         """The parameters whose own (pre-all-reduce) gradients were non-finite."""
@@ -1066,12 +1098,14 @@ class Watcher:
     def close(self) -> None:
         """Remove every hook. DDP cannot unregister a communication hook: from now on ours
         does exactly what torch's ``allreduce_hook`` does, with nothing kept. Values the
-        all-reduce alone made non-finite on this rank at the last step, which no later
-        step's agreement told the other ranks, are reported here by this rank alone (the
-        record and a warning: close() does not raise)."""
-        if self._received_here is not None and not self.done and not self.closed:
-            local, self._received_here = self._received_here, None
-            self._conclude(local, [], [], raising=False)
+        all-reduce alone made non-finite on this rank at the last step, or that a last
+        ``no_sync`` micro-step made, which no later step's agreement told the other ranks,
+        are reported here by this rank alone (the record and a warning: close() does not
+        raise)."""
+        for pending in (self._local, self._received_here):  # (a no_sync micro-step's, too)
+            if pending is not None and not self.done and not self.closed:
+                self._conclude(pending, [], [], raising=False)
+        self._local = self._received_here = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
