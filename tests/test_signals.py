@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procfs import session_processes
+
 #: Runs the CLI with one pause point installed (argv: point, marker path, CLI args...).
 WRAPPER = textwrap.dedent(
     """
@@ -86,21 +88,6 @@ SLOW_MODEL = textwrap.dedent(
         return Slow(where)
     """
 )
-
-
-def _session_processes(sid: int) -> list[int]:
-    """Every process still alive in session ``sid`` (zombies excluded)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def _shm() -> set[str]:
@@ -196,7 +183,7 @@ def test_a_signal_stops_everything_and_leaves_nothing_behind(case: str, tmp_path
     assert "Traceback" not in err and sum("gpudiag:" in line for line in lines) == 1, err
     assert took < 10
     time.sleep(0.3)  # (a process that was told to go may take a moment to disappear)
-    assert _session_processes(proc.pid) == [], "processes left behind"
+    assert session_processes(proc.pid) == [], "processes left behind"
     # (torch itself makes an empty torchinductor_<user> cache folder when an optimizer is
     # created, in any program: torch's, kept across runs by design)
     left_tmp = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]

@@ -27,6 +27,7 @@ from gpudiag.repro.sweep.judge import (
 )
 from gpudiag.repro.sweep.results import NODE_SCHEMA, RESULTS, RULES, RUN, RUN_SCHEMA, results_jsonl
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, check_baseline, check_rules, load_rules
+from tests.procfs import children
 
 
 def node(i: int, **changes: Any) -> dict[str, Any]:
@@ -463,19 +464,6 @@ def _two_gpu_machine(folder: Path) -> Path:
     return path
 
 
-def _children() -> list[int]:
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.usefixtures("no_gpu")
 def test_quick_budget_is_a_deadline_phases_that_do_not_fit_are_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -502,7 +490,7 @@ def test_quick_budget_is_a_deadline_phases_that_do_not_fit_are_skipped(
     assert list(statuses) == ["env", "topology", "peer", "nancheck"]
     assert "skipped" in statuses.values() and "fail" not in statuses.values(), statuses
     assert any("skipped: --quick budget" in n for n in record["notes"]), record["notes"]
-    assert result.exit_code == 0 and _children() == []
+    assert result.exit_code == 0 and children() == []
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
     assert "prolog: " in summary and "skipped: --quick budget" in summary
     assert Budget.for_quick(False).seconds is None and Budget.for_quick(True, {}).seconds == 50.0
@@ -540,7 +528,7 @@ def test_a_check_still_running_when_the_budget_is_spent_is_stopped_not_failed(
     assert [(c.name, c.status) for c in report.checks] == [("peer", "skipped"), ("env", "skipped")]
     assert notes[0].startswith("check peer stopped after") and "skipped: --quick budget" in notes[0]
     assert "check env skipped: --quick budget" in notes[1]
-    assert _children() == []
+    assert children() == []
 
 
 def _every_written_byte(folder: Path) -> dict[str, bytes]:

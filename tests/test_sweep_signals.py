@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procfs import session_processes
+
 SEED = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
 
 #: Runs ``gpudiag sweep`` with a hook that sends the signal (argv[1]: INT or TERM, to this
@@ -44,19 +46,6 @@ WRAPPER = textwrap.dedent(
     main()
     """
 )
-
-
-def _session_processes(sid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.parametrize(("sig", "whom"), [("INT", "group"), ("TERM", "self")])
@@ -96,7 +85,7 @@ def test_a_signal_right_after_a_fork_stops_the_sweep(tmp_path: Path, sig: str, w
     assert lines[-1] == f"gpudiag: interrupted by SIG{sig}; stopped", err
     assert "Exception ignored" not in err and "Traceback" not in err, err
     assert sum("gpudiag:" in line for line in lines) == 1, err
-    assert _session_processes(proc.pid) == [], "rank processes left behind"
+    assert session_processes(proc.pid) == [], "rank processes left behind"
     assert [p.name for p in scratch.iterdir() if p.name.startswith("gpudiag-")] == []
     assert not (tmp_path / "out").exists()
 
