@@ -24,6 +24,7 @@ finite values is found to be clean there, and not reported.
 """
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
+import functools
 import math
 import sys
 import uuid
@@ -208,8 +209,10 @@ def _user_stacklevel() -> int:
     return 1
 
 
-#: Whether this torch's tensors have in-place version counters (see :func:`_version`).
-_VERSIONED = _version(torch.zeros(1)) >= 0
+@functools.cache
+def _versioned() -> bool:
+    """Whether this torch's tensors have in-place version counters (see :func:`_version`)."""
+    return _version(torch.zeros(1)) >= 0
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -511,7 +514,7 @@ class Watcher:
         """Which gradient tensor each parameter holds and its in-place version: a backward
         that accumulates into any of them changes this, ``torch.autograd.grad`` does not.
         None where it cannot tell (no parameters, or a torch without version counters)."""
-        if not self._params or not _VERSIONED:
+        if not self._params or not _versioned():
             return None
         return tuple(None if (g := p.grad) is None else (id(g), _version(g)) for p in self._params)
 
@@ -657,32 +660,24 @@ class Watcher:
         self._queued = False
         if self.done or self.closed:
             return
-        synced, self._synced = self._synced, False
-        pre, self._pre = self._pre, None
-        if self.grad_path == "tensor-hooks":
-            synced = bool(self._param_sums) and self.ddp.require_backward_grad_sync
-        elif self.grad_path == "before-finalize":
-            synced = pre is not None
-            if pre is not None and not self._finalize_came_after(pre):
-                pre = _PreFinalize([], torch.zeros(0), [])
+        befores = self._befores()  # (None: nothing all-reduced this backward)
+        pre, self._pre, self._synced = self._pre, None, False
+        if pre is not None and not self._finalize_came_after(pre):
+            pre = _PreFinalize([], torch.zeros(0), [])  # what was read came back from the all-reduce
         pending = self._comm.hook.pending if self._comm is not None else []
         if self._comm is not None:
             self._comm.hook.pending = []
-        if not (self._dirty or synced or self._trail):
+        if not (self._dirty or befores is not None or self._trail):
             return
         self._dirty = False
         try:
-            if synced and self._comm is not None:
-                befores = [p.before[:1] for p in pending]
-                self._check_synced(befores, [p.result for p in pending if p.result is not None])
-            elif synced and pre is not None:
-                self._pre_read = pre
-                self._check_synced([pre.witness], [p.grad for p in self._params if p.grad is not None])
-            elif synced:
-                befores = [w for _, w in self._param_sums]
-                self._check_synced(befores, [p.grad for p in self._params if p.grad is not None])
-            else:
+            if befores is None:
                 self._check_local()
+            elif self._comm is not None:
+                self._check_synced(befores, [p.result for p in pending if p.result is not None])
+            else:
+                self._pre_read = pre
+                self._check_synced(befores, [p.grad for p in self._params if p.grad is not None])
         finally:
             self._awaiting, self._forwards = False, 0
             self._let_go()
