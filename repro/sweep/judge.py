@@ -153,6 +153,20 @@ def _majority(values: Iterable[Any]) -> tuple[Any, int]:
     return counts.most_common(1)[0]
 
 
+def _odd_ones(values: Sequence[Any]) -> tuple[Any, list[int]]:
+    """The value more than half of the nodes that reported one share (None: there is
+    none), and the nodes that differ from it — or, on a tie between different values,
+    every node that reported one (each differs from some other; none is the odd one).
+    ``None`` in ``values``: the node did not report it."""
+    reported = [(i, v) for i, v in enumerate(values) if v is not None]
+    value, count = _majority(v for _, v in reported)
+    if value is not None and count * 2 > len(reported):
+        return value, [i for i, v in reported if v != value]
+    if len({v for _, v in reported}) > 1:
+        return None, [i for i, _ in reported]
+    return None, []
+
+
 # -- the pairwise link test -------------------------------------------------------------
 
 
@@ -377,76 +391,60 @@ def judge(
     majority: dict[str, Any] = {}
     for key in rules.get("versions", []):
         values = [(rec.get("versions") or {}).get(key) for rec in records]
-        value, count = _majority(v for v in values if v is not None)
-        if value is None or count * 2 <= sum(v is not None for v in values):
-            majority[key] = None
-            distinct = sorted({str(v) for v in values if v is not None})
-            if len(distinct) > 1:  # a tie: every node differs from some other, none is the odd one
-                fleet_notes.append(f"{key}: no majority among {distinct}")
-                for i, v in enumerate(values):
-                    if v is not None:
-                        problems[i].append(
-                            Problem(
-                                "node-version-differs",
-                                f"{key} differs between nodes, no majority",
-                                "one value",
-                                v,
-                            )
-                        )
-            continue
+        value, odd = _odd_ones(values)
         majority[key] = value
-        for i, v in enumerate(values):
-            if v is not None and v != value:
-                problems[i].append(
-                    Problem("node-version-differs", f"{key} differs from the majority's", value, v)
+        if value is None and odd:  # a tie: every node differs from some other, none is the odd one
+            fleet_notes.append(f"{key}: no majority among {sorted({str(values[i]) for i in odd})}")
+        for i in odd:
+            problems[i].append(
+                Problem(
+                    "node-version-differs",
+                    f"{key} differs between nodes, no majority",
+                    "one value",
+                    values[i],
                 )
+                if value is None
+                else Problem("node-version-differs", f"{key} differs from the majority's", value, values[i])
+            )
     if rules.get("topology_must_match", True):
-        digests = [r.get("topology_digest") for r in records if r.get("topology_digest")]
-        value, count = _majority(digests)
-        tie = value is not None and count * 2 <= len(digests)
-        majority["topology_digest"] = None if tie else value
-        for i, rec in enumerate(records):
-            digest = rec.get("topology_digest")
-            if value is not None and digest and ((tie and len(set(digests)) > 1) or digest != value):
-                problems[i].append(
-                    Problem(
-                        "node-topology-differs",
-                        "topology differs between nodes, no majority"
-                        if tie
-                        else f"topology differs from the majority's ({count} of {len(records)} nodes)",
-                        "one topology" if tie else value,
-                        digest,
-                    )
+        digests = [r.get("topology_digest") or None for r in records]
+        value, odd = _odd_ones(digests)
+        majority["topology_digest"] = value
+        share = f"{digests.count(value)} of {len(records)} nodes"
+        for i in odd:
+            problems[i].append(
+                Problem(
+                    "node-topology-differs",
+                    "topology differs between nodes, no majority",
+                    "one topology",
+                    digests[i],
                 )
+                if value is None
+                else Problem(
+                    "node-topology-differs",
+                    f"topology differs from the majority's ({share})",
+                    value,
+                    digests[i],
+                )
+            )
     for key in rules.get("host", []):
         facts = [(rec.get("host_facts") or {}).get(key) for rec in records]
-        keyed = [None if f is None else json.dumps(f, sort_keys=True) for f in facts]
-        value, count = _majority(text for text in keyed if text is not None)
-        if value is None or count * 2 <= sum(text is not None for text in keyed):
-            majority[f"host.{key}"] = None
-            if len({t for t in keyed if t is not None}) > 1:  # a tie
-                for i, text in enumerate(keyed):
-                    if text is not None:
-                        problems[i].append(
-                            Problem(
-                                "node-host-differs",
-                                f"host fact {key} differs between nodes, no majority",
-                                "one value",
-                                facts[i],
-                            )
-                        )
-            continue
-        majority[f"host.{key}"] = json.loads(value)
-        for i, text in enumerate(keyed):
-            if text is not None and text != value:
-                problems[i].append(
-                    Problem(
-                        "node-host-differs",
-                        f"host fact {key} differs from the majority's",
-                        json.loads(value),
-                        facts[i],
-                    )
+        text, odd = _odd_ones([None if f is None else json.dumps(f, sort_keys=True) for f in facts])
+        value = None if text is None else json.loads(text)
+        majority[f"host.{key}"] = value
+        for i in odd:
+            problems[i].append(
+                Problem(
+                    "node-host-differs",
+                    f"host fact {key} differs between nodes, no majority",
+                    "one value",
+                    facts[i],
                 )
+                if text is None
+                else Problem(
+                    "node-host-differs", f"host fact {key} differs from the majority's", value, facts[i]
+                )
+            )
     if rules.get("gpus_must_match", True):
         counts = [int(r.get("gpus") or 0) for r in records]
         value, count = _majority(counts)
