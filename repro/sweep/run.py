@@ -109,7 +109,8 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
     (``<scratch>/nccl_trace_rank_<rank>``), when a collective of the sweep hung: NCCL's own
     dump comes only at the group's timeout, after rank 0 has written, and gloo makes none.
     Through torch's private ``torch._C._distributed_c10d._dump_nccl_trace()`` (NCCL) or
-    ``_dump_fr_trace(backend="gloo")`` (2.15), so best effort: None when absent or failing."""
+    ``_dump_fr_trace`` (``backend="gloo"`` on 2.15; 2.11 takes no backend and dumps the
+    same recorder), so best effort: None when absent or failing."""
     path = scratch / f"{DUMP_PREFIX}{rank}"
     if path.exists():  # (the watchdog's own)
         return path
@@ -121,7 +122,10 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
         if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
             data = c10d._dump_nccl_trace()
         else:
-            data = c10d._dump_fr_trace(backend=backend)
+            try:
+                data = c10d._dump_fr_trace(backend=backend)
+            except TypeError:  # torch < 2.15: one recorder, no backend argument
+                data = c10d._dump_fr_trace()
         path.write_bytes(bytes(data))
     except Exception:
         return None
