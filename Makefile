@@ -1,6 +1,8 @@
 # gpudiag: two commands from a fresh clone.
 #   make demo   gpudiag doctor: every check that applies here, a summary, a report bundle
 #   make test   lint, type checks and the whole test suite
+#   make test-floor  the whole test suite on the oldest torch/torchvision pyproject.toml admits
+#                  (its floor), in .venv-floor
 #   make gpu-test  on a machine that already has torch and a GPU (no network needed): install
 #                  gpudiag into $(PYTHON), run the whole suite with the gpu tests, then gradcheck
 #                  on torchvision models at world size 1 on CUDA (docs/gpu-validation.md)
@@ -12,10 +14,17 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TYPED  := diag checks repro
 
+#: pyproject.toml's floor (torch>=, torchvision>=) pinned: the versions test-floor proves
+FLOOR      := .venv-floor
+FLOOR_PINS := torch==2.11.0 torchvision==0.26.0
+
+#: the commit gpu-test names; give it where the copy has no .git: make gpu-test COMMIT=abc1234
+COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null)
+
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121
 
-.PHONY: demo test gpu-test gpu-bench lint typecheck pytest bench clean
+.PHONY: demo test test-floor gpu-test gpu-bench lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,12 +46,20 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+$(FLOOR)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/pip install --quiet --disable-pip-version-check -e '.[test]' $(FLOOR_PINS)
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -c 'import torch, torchvision; print("test-floor: torch", torch.__version__, "torchvision", torchvision.__version__)'
+	$(FLOOR)/bin/pytest -q
+
 gpu-test:
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation .
-	@$(PYTHON) -c 'import datetime, platform, subprocess, sys, torch, torchvision; \
+	@$(PYTHON) -c 'import datetime, platform, sys, torch, torchvision; \
 	  n = torch.cuda.device_count() if torch.cuda.is_available() else 0; \
-	  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(); \
-	  commit = commit or "unknown"; \
+	  commit = "$(COMMIT)" or "unknown"; \
 	  print(f"gpu-test {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, " \
 	        f"{platform.node()}: torch {torch.__version__} (CUDA {torch.version.cuda}), torchvision {torchvision.__version__}, " \
 	        f"python {platform.python_version()}"); \
@@ -64,4 +81,4 @@ gpu-bench:
 	  -o "$${TMPDIR:-/tmp}/gpudiag-gpu-sweep" --force
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -34,3 +34,23 @@ def test_bundled_examples_are_package_data() -> None:
     data = setuptools_table()["package-data"]["gpudiag"]
     for example in (ROOT / "diag" / "examples").iterdir():
         assert any(example.match(pattern) for pattern in data), example.name
+
+
+def test_the_floor_make_test_floor_runs_on_is_pyprojects() -> None:
+    """``torch>=X`` / ``torchvision>=Y`` in the dependencies are what ``make test-floor``
+    pins: a floor is only claimed for versions the suite has run on (issue 14)."""
+    import re
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = dict(
+        re.fullmatch(r"(torch|torchvision)>=([\d.]+)", d).groups() for d in deps if re.match(r"torch", d)
+    )
+    pins = re.search(r"^FLOOR_PINS\s*:=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert pins, "Makefile: FLOOR_PINS missing"
+    pinned = dict(pin.split("==") for pin in pins.group(1).split())
+    assert set(pinned) == {"torch", "torchvision"} == set(floors)
+    for name, floor in floors.items():
+        pin = [int(part) for part in pinned[name].split(".")]
+        assert pin == ([int(part) for part in floor.split(".")] + [0, 0])[: len(pin)], (
+            f"{name}: floor {floor}, make test-floor pins {pinned[name]}"
+        )
