@@ -139,7 +139,7 @@ def _versions(run: _TorchCollectEnv, missing: dict[str, str]) -> dict[str, Any]:
         "cudnn": lambda: _cudnn(torch, ce, run),
         "nccl_runtime": lambda: _nccl_runtime(torch),
         "gpu_models": lambda: ce.get_gpu_info(run),
-        "cuda_module_loading": ce.get_cuda_module_loading_config,
+        "cuda_module_loading": lambda: _cuda_module_loading(torch),
         "xnnpack_available": lambda: getattr(torch.backends.xnnpack, "enabled", None),
         "caching_allocator_config": ce.get_cachingallocator_config,
     }
@@ -161,6 +161,17 @@ def _cudnn(torch: Any, ce: Any, run: _TorchCollectEnv) -> Any:
     if torch.backends.cudnn.is_available():
         return torch.backends.cudnn.version()
     return ce.get_cudnn_version(run)
+
+
+def _cuda_module_loading(torch: Any) -> str:
+    """``CUDA_MODULE_LOADING`` as CUDA will read it: torch sets ``LAZY`` when it creates
+    its CUDA context, unless set. Read from the environment, not through
+    ``collect_env.get_cuda_module_loading_config``, which initialises CUDA for it: a parent
+    with a CUDA context can no longer fork its ranks (each then starts a fresh interpreter,
+    1.5 s more) and holds memory on GPU 0."""
+    if not torch.cuda.is_available():
+        return "N/A"
+    return os.environ.get("CUDA_MODULE_LOADING") or "LAZY (not set; torch's default)"
 
 
 def _nccl_runtime(torch: Any) -> str | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,16 +35,45 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu``/``multi_gpu`` tests with a reason where no CUDA GPU is present."""
+    """Skip ``gpu``/``multi_gpu`` tests with a reason where no CUDA GPU is present, and run
+    them after the others: a test that creates a CUDA context in this process makes every
+    later rank launch start a fresh interpreter (fork is unsafe after it), so the unmarked
+    tests run as they do on a machine without a GPU."""
     marked = [item for item in items if "gpu" in item.keywords or "multi_gpu" in item.keywords]
     if not marked:
         return
+    items[:] = [item for item in items if item not in marked] + marked
     count = _cuda_device_count()
     for item in marked:
         if "multi_gpu" in item.keywords and count < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {count}"))
         elif "gpu" in item.keywords and count < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, found none"))
+
+
+#: The unmarked test that first created a CUDA context in this process (a GPU machine).
+_CUDA_FIRST: list[str] = []
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    before = _cuda_initialised()
+    yield
+    unmarked = "gpu" not in item.keywords and "multi_gpu" not in item.keywords
+    if unmarked and not before and _cuda_initialised():
+        _CUDA_FIRST.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Names the unmarked test that created a CUDA context (so later launches started
+    fresh interpreters): it should arrange "no GPU" or carry the ``gpu`` mark."""
+    for nodeid in _CUDA_FIRST:
+        terminalreporter.write_line(f"CUDA first initialised in this process by an unmarked test: {nodeid}")
 
 
 def _cuda_device_count() -> int:

@@ -240,6 +240,7 @@ def test_timing_off_changes_nothing() -> None:
     assert plain.recorder.phases == [] and plain.timing == {}
 
 
+@pytest.mark.usefixtures("no_gpu")  # (bench takes CUDA GPUs where there are any)
 def test_bench_measures_every_strategy_on_virtual_devices() -> None:
     result = gpudiag.bench(
         models.flat_mlp, input_shape=(3, 4, 4), num_classes=4, batch_size=4, steps=3, warmup=1
@@ -263,6 +264,7 @@ def test_bench_measures_every_strategy_on_virtual_devices() -> None:
     assert repr(result).startswith("<BenchResult")
 
 
+@pytest.mark.usefixtures("no_gpu")
 def test_the_command_writes_json_and_refuses_bad_usage(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench.json"
     args = ["bench", "--model", "mlp", "--input-shape", "8", "--batch-size", "4", "--global"]
@@ -453,6 +455,7 @@ def test_bench_under_torchrun_gathers_every_rank(tmp_path) -> None:  # type: ign
         pytest.skip("torchrun is not installed next to this Python")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "GPUDIAG_HOSTNAME": "node-a"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # two CPU ranks, also on a machine with one GPU
     args = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "gpudiag", "bench", "--model", "mlp"]
     args += ["--input-shape", "8", "--strategies", "single,ddp", "--steps", "2", "--warmup", "1"]
     args += ["--format", "json", "-o", str(tmp_path / "b.json")]

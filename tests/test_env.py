@@ -450,3 +450,19 @@ def test_redaction_is_idempotent(text: str, anonymize: bool) -> None:
         redacted = r.bytes(encoded)
         assert r.bytes(redacted) == redacted
         assert r.data(r.data(document)) == r.data(document)
+
+
+def test_collecting_never_initialises_cuda(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A CUDA context in the process that collects (gpudiag doctor, report) would make every
+    later rank launch a fresh interpreter and hold memory on GPU 0: torch's own
+    get_cuda_module_loading_config calls torch.cuda.init() (found reviewing for issue 14)."""
+    import torch
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("torch.cuda.init"))
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: calls.append("torch.cuda._lazy_init"))
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    report = collect_env(Commands({}), {}, home=str(tmp_path), live_topology=False)
+    assert calls == []
+    assert report.sections["versions"]["cuda_module_loading"] == "LAZY (not set; torch's default)"

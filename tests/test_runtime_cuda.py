@@ -51,27 +51,28 @@ def test_ddp_over_nccl_on_one_gpu() -> None:
     assert len(result.losses) == 2 and result.recorder.buckets
 
 
-class _IndexAdd(torch.nn.Module):
-    """Sums rows into buckets with index_add_, which has no deterministic CUDA kernel."""
+class _AdaptivePool(torch.nn.Module):
+    """Adaptive average pooling, whose CUDA backward has no deterministic kernel (torch
+    2.11-2.15 alert ``adaptive_avg_pool2d_backward_cuda``; index_add_, used here before,
+    is deterministic in that mode). 4x4 to 3x3: a 1x1 output would take the mean instead."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(8, 4)
+        self.linear = torch.nn.Linear(8, 16)
+        self.pool = torch.nn.AdaptiveAvgPool2d((3, 3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear(x)
-        return torch.zeros(2, 4, device=x.device).index_add_(0, torch.arange(len(x), device=x.device) % 2, h)
+        return self.pool(self.linear(x).view(-1, 1, 4, 4)).flatten(1)[:, :4]
 
 
 @pytest.mark.gpu
 def test_an_op_without_a_deterministic_cuda_kernel_is_recorded() -> None:
-    x, y = torch.randn(6, 8), torch.randn(2, 4)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
     config = RunConfig("single", DeviceSet.cuda([0]), loss="mse", numerics=Numerics.comparison())
-    result = run(_IndexAdd, x, y, config)
-    assert any("index_add" in op for op in result.nondeterministic), result.nondeterministic
-    cpu = run(
-        _IndexAdd, x, y, RunConfig("single", DeviceSet.virtual(1), loss="mse", numerics=Numerics.comparison())
-    )
+    result = run(_AdaptivePool, x, y, config)
+    assert any("adaptive_avg_pool2d" in op for op in result.nondeterministic), result.nondeterministic
+    on_cpu = RunConfig("single", DeviceSet.virtual(1), loss="mse", numerics=Numerics.comparison())
+    cpu = run(_AdaptivePool, x, y, on_cpu)
     assert cpu.nondeterministic == []  # the CPU kernel is deterministic
 
 
@@ -83,7 +84,7 @@ def test_bench_on_cuda_times_with_events_and_reads_peak_memory() -> None:
 
     result = gpudiag.bench(
         models.flat_mlp,
-        input_shape=(3, 8, 8),
+        input_shape=(3, 4, 4),  # (flat_mlp's Linear takes 48 features)
         num_classes=4,
         batch_size=8,
         strategies=("single", "ddp"),
@@ -97,3 +98,19 @@ def test_bench_on_cuda_times_with_events_and_reads_peak_memory() -> None:
     for case in result.cases:
         assert case.peak_memory and all(b > 0 for b in case.peak_memory.values()), case.label
         assert case.phases["data"] > 0 and case.phases["forward"] > 0, case.label
+
+
+def _mlp_built_on_cuda() -> torch.nn.Module:
+    return models.mlp().cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factory", [_mlp_built_on_cuda, lambda: torch.nn.DataParallel(models.mlp())])
+def test_gradcheck_of_a_factory_that_builds_on_cuda(factory) -> None:  # type: ignore[no-untyped-def]
+    """A factory may return its model on CUDA, as nn.DataParallel does on a machine with one
+    GPU: gradcheck compares it (its copy kept on the CPU, each run on its own device)."""
+    import gpudiag
+
+    x, y = models.batch(8)
+    report = gpudiag.gradcheck(factory, x, y)
+    assert report.verdict == "pass", report.summary()

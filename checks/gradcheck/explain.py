@@ -399,11 +399,11 @@ def nondeterministic_finding(ops: list[str], c: Comparison, spread: float) -> Fi
             "reference_spread_same_rng": spread,
             "ops": ops,
         },
-        cause="kernels whose result depends on the order of atomic additions (index_add_, scatter_add_, "
-        "some backward kernels on CUDA)"
+        cause="kernels whose result depends on the order of atomic additions (some backward kernels "
+        "on CUDA: adaptive pooling, interpolation, reflection padding; histc, bincount with weights)"
         + ("" if ops else ", or randomness outside torch (Python's random, NumPy)"),
-        fix="torch.use_deterministic_algorithms(True) (with CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA) "
-        "makes torch raise at such ops; replace them or accept the spread",
+        fix="torch.use_deterministic_algorithms(True) makes torch raise at such ops; "
+        "replace them or accept the spread",
     )
 
 

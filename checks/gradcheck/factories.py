@@ -27,7 +27,12 @@ class Prebuilt:
     ``run`` calls ``torch.manual_seed(seed)`` and then the factory; the first call builds
     the model and records the RNG state it leaves, later calls return a deep copy and
     restore that state — the same weights and the same random stream (dropout masks) as a
-    fresh build, at a fraction of the cost for large models."""
+    fresh build, at a fraction of the cost for large models.
+
+    The copy kept is on the CPU, where the batch is: each run moves its copy to its own
+    device. A factory may build on CUDA (``.cuda()``, or ``nn.DataParallel`` on a machine
+    with one GPU, which moves its module to it); the probe and DDP ranks in fresh
+    interpreters (which unpickle the template) then never touch GPU 0 for it."""
 
     def __init__(self, factory: ModelFn):
         self.factory = factory
@@ -43,7 +48,8 @@ class Prebuilt:
 
             # The seeds wrap models in nn.DataParallel before training: compare the model
             # itself (each strategy applies its own wrapping).
-            self.template, self.unwrapped = unwrap(self.factory())
+            template, self.unwrapped = unwrap(self.factory())
+            self.template = template.cpu()
             self.rng_after = torch.get_rng_state()
             return copy.deepcopy(self.template)
         assert self.rng_after is not None

@@ -165,14 +165,13 @@ class Numerics:
 
 #: How torch's alert for an op without a deterministic implementation reads (warn-only).
 _ALERT = " does not have a deterministic implementation"
-_CUBLAS_ALERT = "because it uses CuBLAS"
 
 
 @contextlib.contextmanager
 def nondeterministic_alerts() -> Iterator[list[str]]:
     """Collect, in the yielded list, the ops torch reported while the block ran as having
-    no deterministic implementation (``index_add_cuda_``, ``scatter_add_cuda_kernel``,
-    cuBLAS without ``CUBLAS_WORKSPACE_CONFIG``, …; heard only under
+    no deterministic implementation (``adaptive_avg_pool2d_backward_cuda``,
+    ``_histc_cuda``, …; heard only under
     ``torch.use_deterministic_algorithms(True, warn_only=True)``). Each op once, in the
     order first reported; every other warning is passed on."""
     found: list[str] = []
@@ -184,8 +183,6 @@ def nondeterministic_alerts() -> Iterator[list[str]]:
         text = str(warning.message)
         if _ALERT in text:
             op = text.split(_ALERT)[0].strip()
-        elif _CUBLAS_ALERT in text:
-            op = "cuBLAS (CUBLAS_WORKSPACE_CONFIG not set)"
         else:
             if (text, warning.category) not in passed:
                 passed.add((text, warning.category))
