@@ -121,10 +121,13 @@ def copy_check(
     n = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
     devices = transport.devices
     data = _pattern(n, dtype, devices.torch_device(src))
+    if data.is_cuda:  # the pattern written before the clock starts
+        torch.cuda.synchronize(data.device)
     start = time.perf_counter()
     arrived = transport.move(data, src, dst, "peer-copy")
     if arrived.is_cuda:
         torch.cuda.synchronize(arrived.device)
+        torch.cuda.synchronize(data.device)
     elapsed = time.perf_counter() - start
     expected = _pattern(n, dtype, devices.torch_device(dst))
     wrong = int((arrived != expected).sum())
@@ -138,18 +141,24 @@ def copy_check(
 
 
 def bandwidth(devices: DeviceSet, src: int, dst: int, nbytes: int) -> dict[str, Any]:
-    """GB/s of a direct copy against one staged through pinned host memory (CUDA)."""
+    """GB/s of a direct copy against one staged through pinned host memory (CUDA). A copy
+    between GPUs runs on the source's stream: both GPUs are synchronised (a bare
+    ``torch.cuda.synchronize()`` waits for the current device alone)."""
     data = torch.empty(nbytes // 4, dtype=torch.float32, device=devices.torch_device(src))
     staging = torch.empty_like(data, device="cpu").pin_memory()
     target = torch.empty_like(data, device=devices.torch_device(dst))
 
+    def settle() -> None:
+        for index in (src, dst):
+            torch.cuda.synchronize(devices.torch_device(index))
+
     def timed(fn: Any) -> float:
         fn()
-        torch.cuda.synchronize()
+        settle()
         start = time.perf_counter()
         for _ in range(5):
             fn()
-        torch.cuda.synchronize()
+        settle()
         return 5 * nbytes / (time.perf_counter() - start) / 1e9
 
     direct = timed(lambda: target.copy_(data))

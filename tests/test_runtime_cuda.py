@@ -98,6 +98,9 @@ def test_bench_on_cuda_times_with_events_and_reads_peak_memory() -> None:
     for case in result.cases:
         assert case.peak_memory and all(b > 0 for b in case.peak_memory.values()), case.label
         assert case.phases["data"] > 0 and case.phases["forward"] > 0, case.label
+    ddp = next(c for c in result.cases if c.strategy == "ddp")
+    # the all-reduce timed by CUDA events (NCCL's future is "done" once queued): it took time
+    assert ddp.allreduce_hidden is not None and ddp.allreduce_hidden + ddp.phases["allreduce"] > 0
 
 
 def _mlp_built_on_cuda() -> torch.nn.Module:

@@ -117,8 +117,20 @@ def watch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 def timed_hook(state: CommTimes, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """bench: torch's ``allreduce_hook`` (divide by the world size, all-reduce, use the
     result) that notes when each bucket's all-reduce started (the bucket was ready) and
-    when it finished (host clock; on CUDA the finish is when the future completed)."""
+    when it finished: host clock on gloo; on CUDA events, the finish recorded in the
+    future's callback, whose stream waits for NCCL's work."""
     tensor = bucket.buffer()
+    timer = state.timer if tensor.is_cuda else None
+    if timer is not None:
+        ready = timer.mark(current=True)
+        tensor.div_(state.world_size)
+        queued = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr, unused-ignore]
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            timer.add("allreduce", ready, stop=timer.mark(current=True))
+            return fut.value()[0]
+
+        return queued.then(done)
     span = [time.perf_counter(), math.nan]
     state.spans.append(span)
     tensor.div_(state.world_size)
@@ -320,6 +332,8 @@ def _train(
     timer: Timer = NO_TIMER
     if config.time_phases:  # bench: the shard on its device once (synthetic data)
         timer = stepper.timer = PhaseTimer(recorder, device, rank)
+        if comm is not None and timer.cuda:
+            comm.timer = timer
         if config.loader is None:
             shard_inputs, shard_targets = to_device(shard_inputs, device), shard_targets.to(device)
         reset_peak_memory(config.devices, (own,))

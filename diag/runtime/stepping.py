@@ -146,13 +146,13 @@ class Stepper:
         skipped when nothing reads the weights after it (see :meth:`updates`)."""
         for attempt in range(MAX_SCALE_RETRIES + 1):
             self.model.zero_grad(set_to_none=True)
-            total = 0.0
+            losses = []  # read once the step is queued: a read here would stall CUDA mid-step
             for i, (x, y) in enumerate(micro):
                 context = (
                     no_sync() if no_sync is not None and i < len(micro) - 1 else contextlib.nullcontext()
                 )
                 with context:
-                    total += float(self.micro_step(x, y))
+                    losses.append(self.micro_step(x, y))
             if after_backward is not None:
                 after_backward()
             if self.scaler is None or self.unscaler is None:
@@ -180,7 +180,7 @@ class Stepper:
         elif self.scaler is not None:
             self.scaler.update()
         self.timer.add("optimizer", start)
-        return total / len(micro)
+        return sum(torch.stack(losses).tolist()) / len(micro)
 
     def updates(self, step: int) -> bool:
         """Whether ``step`` applies its optimizer update: every step but a last one whose

@@ -38,23 +38,27 @@ class PhaseTimer:
         self.recorder = recorder
         self.rank = rank
         self.cuda = getattr(device, "type", "cpu") == "cuda"
+        self.device = device
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.step = 0
         self._marks: list[tuple[str, int | None, Any, Any]] = []
         self._host_start = 0.0
         self._start: Any = None
 
-    def mark(self) -> Any:
-        """Now: a recorded CUDA event, or ``perf_counter()`` on the CPU."""
+    def mark(self, current: bool = False) -> Any:
+        """Now: a CUDA event recorded on the timer's stream — with ``current``, on the stream
+        current in this thread (a DDP comm hook's ``then`` callback runs on one that waits
+        for NCCL's work) — or ``perf_counter()`` on the CPU."""
         if self.stream is not None:
             event = torch.cuda.Event(enable_timing=True)
-            event.record(self.stream)
+            event.record(torch.cuda.current_stream(self.device) if current else self.stream)
             return event
         return time.perf_counter()
 
-    def add(self, name: str, start: Any, device: int | None = None) -> None:
-        """A phase from ``start`` (a :meth:`mark`) until now."""
-        self._marks.append((name, self.rank if device is None else device, start, self.mark()))
+    def add(self, name: str, start: Any, device: int | None = None, stop: Any = None) -> None:
+        """A phase from ``start`` (a :meth:`mark`) until ``stop`` (a mark; now if None)."""
+        stop = self.mark() if stop is None else stop
+        self._marks.append((name, self.rank if device is None else device, start, stop))
 
     @contextmanager
     def phase(self, name: str, device: int | None = None) -> Iterator[None]:
@@ -78,6 +82,8 @@ class PhaseTimer:
         origin = self.recorder.origin
         if self.stream is not None:
             end.synchronize()  # the step's one synchronisation
+            for _, _, _, stop in self._marks:  # (marks on other streams: done by now, as a rule)
+                stop.synchronize()
             base = self._host_start - origin
             first = self._start
 
@@ -125,10 +131,14 @@ Timer = PhaseTimer | NullTimer
 @dataclass
 class CommTimes:
     """State of :func:`gpudiag.runtime.ddp.timed_hook`: when each bucket's all-reduce was
-    started (the bucket was ready) and finished, host clock (``perf_counter``)."""
+    started (the bucket was ready) and finished, host clock (``perf_counter``) on gloo.
+    With ``timer`` (CUDA) the two are CUDA events in the timer's phases instead: the host
+    learns of an NCCL all-reduce when it is queued, not when it is done (``fut.done()``
+    only means enqueued for GPU work; torch's ``Work.get_future`` documentation)."""
 
     world_size: int
     spans: list[list[float]] = field(default_factory=list)
+    timer: PhaseTimer | None = None
 
     def take(self) -> list[tuple[str, float, float]]:
         spans, self.spans = self.spans, []
