@@ -4,9 +4,10 @@
 #   make test-floor  the whole test suite on the oldest torch/torchvision pyproject.toml admits
 #                  (its floor), in .venv-floor
 #   make gpu-test  on a machine that already has torch and a GPU (no network needed): install
-#                  gpudiag into $(PYTHON), run the whole suite with the gpu tests, then gradcheck
-#                  on torchvision models at world size 1 on CUDA (docs/gpu-validation.md)
-#   make gpu-bench after gpu-test, on the same machine: the speed targets measured on CUDA
+#                  gpudiag into $(PYTHON), run the whole suite with the gpu tests (gpu-suite), then
+#                  gradcheck torchvision models at world size 1 on CUDA (gpu-gradcheck); each part
+#                  alone installs first (docs/gpu-validation.md)
+#   make gpu-bench on the same kind of machine: the speed targets measured on CUDA
 #                  (bench, watch and runtime overheads, bench's accuracy, a one-node sweep)
 PYTHON ?= python3
 VENV   := .venv
@@ -18,13 +19,18 @@ TYPED  := diag checks repro
 FLOOR      := .venv-floor
 FLOOR_PINS := torch==2.11.0 torchvision==0.26.0
 
+#: each gradcheck and gpu-bench measurement stops after this many seconds (a device lease
+#: runs 10 minutes per command); PYTEST_ARGS narrows gpu-suite, e.g. to half of the files
+GPU_STEP_S  ?= 300
+PYTEST_ARGS ?=
+
 #: the commit gpu-test names; give it where the copy has no .git: make gpu-test COMMIT=abc1234
 COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null)
 
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121
 
-.PHONY: demo test test-floor gpu-test gpu-bench lint typecheck pytest bench clean
+.PHONY: demo test test-floor gpu-install gpu-suite gpu-gradcheck gpu-test gpu-bench lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +61,7 @@ test-floor: $(FLOOR)/.installed
 	$(FLOOR)/bin/python -c 'import torch, torchvision; print("test-floor: torch", torch.__version__, "torchvision", torchvision.__version__)'
 	$(FLOOR)/bin/pytest -q
 
-gpu-test:
+gpu-install:
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation .
 	@$(PYTHON) -c 'import datetime, platform, sys, torch, torchvision; \
 	  n = torch.cuda.device_count() if torch.cuda.is_available() else 0; \
@@ -65,20 +71,34 @@ gpu-test:
 	        f"python {platform.python_version()}"); \
 	  [print(f"  GPU {i}: {torch.cuda.get_device_name(i)}") for i in range(n)]; \
 	  sys.exit(0 if n else "gpu-test: no CUDA GPU here")'
-	$(PYTHON) -m pytest -q -rs -p no:cacheprovider
+
+gpu-suite: gpu-install
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
+
+gpu-gradcheck: gpu-install
 	@for model in $(GPU_MODELS); do \
 	  echo "== gpudiag gradcheck --model torchvision:$$model?num_classes=10 --world-size 1"; \
-	  $(PYTHON) -m gpudiag gradcheck --model "torchvision:$$model?num_classes=10" --input-shape 3,32,32 \
-	    --world-size 1 || exit 1; \
+	  timeout $(GPU_STEP_S) $(PYTHON) -m gpudiag gradcheck --model "torchvision:$$model?num_classes=10" \
+	    --input-shape 3,32,32 --world-size 1 || exit 1; \
 	done
 
-gpu-bench:
-	$(PYTHON) -m gpudiag bench --model "torchvision:resnet18?num_classes=10" --data loader:4 --steps 30
-	$(PYTHON) bench/bench_accuracy.py --rounds 5
-	$(PYTHON) bench/runtime_overhead.py --device cuda --steps 100 --warmup 10
-	$(PYTHON) bench/watch_overhead.py --device cuda
-	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 1 -m gpudiag sweep --quick \
-	  -o "$${TMPDIR:-/tmp}/gpudiag-gpu-sweep" --force
+gpu-test: gpu-suite gpu-gradcheck
+
+#: Each measurement under its own time limit; one that fails or runs out is named at the
+#: end and the others still run.
+gpu-bench: gpu-install
+	@failed=""; \
+	for step in \
+	  "$(PYTHON) -m gpudiag bench --model 'torchvision:resnet18?num_classes=10' --data loader:4 --steps 30" \
+	  "$(PYTHON) bench/bench_accuracy.py --rounds 5" \
+	  "$(PYTHON) bench/runtime_overhead.py --device cuda --steps 100 --warmup 10" \
+	  "$(PYTHON) bench/watch_overhead.py --device cuda" \
+	  "$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 1 -m gpudiag sweep --quick \
+	     -o $${TMPDIR:-/tmp}/gpudiag-gpu-sweep --force"; do \
+	  echo "== $$step"; \
+	  timeout $(GPU_STEP_S) sh -c "$$step" || failed="$$failed$$(printf '\n  %s' "$$step")"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "gpu-bench: failed or out of time ($(GPU_STEP_S) s each):$$failed"; exit 1; fi
 
 clean:
 	rm -rf $(VENV) $(FLOOR) .pytest_cache .mypy_cache .ruff_cache .hypothesis
