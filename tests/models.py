@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -306,3 +307,26 @@ class PlainObjectWithUnusedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> _Plain:
         h = x.flatten(1)
         return _Plain(self.fc(h), self.fc2(h))
+
+
+def poison(module: nn.Module, when: Any, kind: str = "output") -> Any:
+    """Make one element of ``module``'s forward output NaN (``kind="output"``), or of its
+    input's gradient in backward (``kind="grad"``), whenever ``when()`` is true."""
+
+    def forward_hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if not when():
+            return None
+        out = out.clone()
+        out.view(-1)[3] = float("nan")
+        return out
+
+    def backward_hook(m: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+        if not when() or grad_in[0] is None:
+            return None
+        g = grad_in[0].clone()
+        g.view(-1)[0] = float("inf")
+        return (g, *grad_in[1:])
+
+    if kind == "output":
+        return module.register_forward_hook(forward_hook)
+    return module.register_full_backward_hook(backward_hook)

@@ -19,6 +19,7 @@ from torch import nn
 import gpudiag
 from gpudiag.runtime.launch import launch
 from gpudiag.watch import NonFiniteError, read_records
+from tests import models
 
 
 class Net(nn.Module):
@@ -41,29 +42,6 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.lin(x)) + x
-
-
-def poison(module: nn.Module, when: Any, kind: str = "output") -> Any:
-    """Make one element of ``module``'s forward output NaN (``kind="output"``), or of its
-    input's gradient in backward (``kind="grad"``), whenever ``when()`` is true."""
-
-    def forward_hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
-        if not when():
-            return None
-        out = out.clone()
-        out.view(-1)[3] = float("nan")
-        return out
-
-    def backward_hook(m: nn.Module, grad_in: Any, grad_out: Any) -> Any:
-        if not when() or grad_in[0] is None:
-            return None
-        g = grad_in[0].clone()
-        g.view(-1)[0] = float("inf")
-        return (g, *grad_in[1:])
-
-    if kind == "output":
-        return module.register_forward_hook(forward_hook)
-    return module.register_full_backward_hook(backward_hook)
 
 
 def hook_count(model: nn.Module) -> int:
@@ -90,7 +68,7 @@ def train(model: nn.Module, steps: int, seed: int = 1, accumulate: int = 1) -> N
 def test_single_device_names_module_and_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     net = Net()
-    poison(net.body[2].lin, lambda: watcher.step == 3)
+    models.poison(net.body[2].lin, lambda: watcher.step == 3)
     watcher = gpudiag.watch(net, "record", record_dir=tmp_path)
     train(net, 6)
     report = watcher.report
@@ -107,14 +85,14 @@ def test_single_device_names_module_and_step(tmp_path: Path) -> None:
 def test_raise_comes_out_of_backward_and_warn_warns(tmp_path: Path) -> None:
     torch.manual_seed(0)
     net = Net()
-    poison(net.head, lambda: watcher.step == 2)
+    models.poison(net.head, lambda: watcher.step == 2)
     with gpudiag.watch(net, record_dir=False) as watcher, pytest.raises(NonFiniteError) as caught:
         train(net, 4)
     assert (caught.value.report.step, caught.value.report.module) == (2, "head")
     assert isinstance(caught.value, gpudiag.NonFiniteError)
     torch.manual_seed(0)
     net = Net()
-    poison(net.body[0], lambda: watcher.step == 1)
+    models.poison(net.body[0], lambda: watcher.step == 1)
     with (
         gpudiag.watch(net, "warn", record_dir=False) as watcher,
         pytest.warns(
@@ -135,7 +113,7 @@ def test_backward_fault_names_the_module_nearest_the_loss(tmp_path: Path) -> Non
     watcher = gpudiag.watch(net, "record", record_dir=False)
     # the gradient leaving body.2.norm (towards body.2.lin) turns Inf: body.2.lin's weight
     # gradient is the first non-finite one in backward order
-    poison(net.body[2].norm, lambda: watcher.step == 2, kind="grad")
+    models.poison(net.body[2].norm, lambda: watcher.step == 2, kind="grad")
     train(net, 4)
     report = watcher.report
     assert report is not None
@@ -199,7 +177,7 @@ def test_grad_scaler_overflow_is_a_skip_not_a_fault() -> None:
     torch.manual_seed(0)
     net = Net()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    poison(net.body[2].norm, lambda: watcher.step == 1, kind="grad")
+    models.poison(net.body[2].norm, lambda: watcher.step == 1, kind="grad")
     watcher = gpudiag.watch(net, "raise", scaler=scaler, record_dir=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     for _ in range(3):
@@ -334,7 +312,7 @@ def _ddp_rank(
     net = Net()
     ddp = _ddp_model(net, path)
     if bad_rank >= 0:
-        poison(net.body[2].lin, lambda: rank == bad_rank and watcher.step == bad_step)
+        models.poison(net.body[2].lin, lambda: rank == bad_rank and watcher.step == bad_step)
     watcher = _ddp_watch(ddp, path, mode, record_dir=folder)
     g = torch.Generator().manual_seed(10 + rank)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -445,7 +423,7 @@ def test_virtual_data_parallel_names_the_replica_and_the_transfer() -> None:
     torch.manual_seed(0)
     net = Net()
     dp = VirtualDataParallel(net, DeviceSet.virtual([5, 6], machine))
-    poison(net.body[2].lin, lambda: watcher.step == 2 and dp.transport.replica == 6)
+    models.poison(net.body[2].lin, lambda: watcher.step == 2 and dp.transport.replica == 6)
     watcher = gpudiag.watch(dp, "record", record_dir=False)
     train(dp, 4)
     report = watcher.report
@@ -484,7 +462,7 @@ def test_real_data_parallel_without_gpus_is_the_module_itself(no_gpu: None) -> N
     torch.manual_seed(0)
     net = Net()
     dp = nn.DataParallel(net)
-    poison(net.head, lambda: watcher.step == 1)
+    models.poison(net.head, lambda: watcher.step == 1)
     watcher = gpudiag.watch(dp, "record", record_dir=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DataParallel's own notes on a CPU-only machine
@@ -498,7 +476,7 @@ def test_real_data_parallel_names_the_replica_device() -> None:
     torch.manual_seed(0)
     net = Net().cuda()
     dp = nn.DataParallel(net, device_ids=[0, 1])
-    poison(net.body[2].lin, lambda: watcher.step == 2 and torch.cuda.current_device() == 1)
+    models.poison(net.body[2].lin, lambda: watcher.step == 2 and torch.cuda.current_device() == 1)
     watcher = gpudiag.watch(dp, "record", record_dir=False)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -515,7 +493,7 @@ def test_gpudiag_report_bundles_the_records(tmp_path: Path, monkeypatch: pytest.
 
     torch.manual_seed(0)
     net = Net()
-    poison(net.head, lambda: watcher.step == 1)
+    models.poison(net.head, lambda: watcher.step == 1)
     watcher = gpudiag.watch(net, "record", record_dir=tmp_path / "records")
     train(net, 2)
     (tmp_path / "records" / "watch-rank9.json").write_text('{"schema": "other/1"}')  # not ours: left out
@@ -558,7 +536,7 @@ def test_a_clean_cpu_forward_lets_go_of_what_it_kept_before_the_backward() -> No
     """On the CPU a forward is judged as it ends: a clean one keeps no module output into
     the backward; a bad one is named there and then, and reported after the backward."""
     net = Net()
-    poison(net.body[2].lin, lambda: watcher.step == 1)
+    models.poison(net.body[2].lin, lambda: watcher.step == 1)
     with gpudiag.watch(net, "record", record_dir=False) as watcher:
         out = net(torch.randn(2, 8))
         assert watcher._trail == [] and watcher._inputs == [] and watcher._outputs[-1][1] is None
@@ -573,7 +551,7 @@ def test_a_clean_cpu_forward_lets_go_of_what_it_kept_before_the_backward() -> No
 def test_autograd_grad_is_not_a_step_and_a_second_backward_is_checked() -> None:
     torch.manual_seed(0)
     net = Net()
-    poison(net.body[2].lin, lambda: watcher.step == 1)
+    models.poison(net.body[2].lin, lambda: watcher.step == 1)
     with gpudiag.watch(net, "record", record_dir=False) as watcher:
         for _ in range(3):  # a gradient penalty: autograd.grad first, then the real backward
             loss = net(torch.randn(4, 8)).pow(2).mean()
@@ -586,7 +564,7 @@ def test_autograd_grad_is_not_a_step_and_a_second_backward_is_checked() -> None:
 
     torch.manual_seed(0)
     net, bad = Net(), [False]
-    poison(net.body[2].norm, lambda: bad[0], kind="grad")
+    models.poison(net.body[2].norm, lambda: bad[0], kind="grad")
     with gpudiag.watch(net, "record", record_dir=False) as watcher:
         loss = net(torch.randn(4, 8)).pow(2).mean()
         loss.backward(retain_graph=True)
@@ -604,7 +582,7 @@ def test_loops_whose_backward_leaves_grad_unchanged_are_checked(loop: str) -> No
     torch.manual_seed(0)
     net = Net()
     params = list(net.parameters())
-    poison(net.body[2].lin, lambda: watcher.step == 2)
+    models.poison(net.body[2].lin, lambda: watcher.step == 2)
     opts = {id(p): torch.optim.SGD([p], lr=0.05) for p in params}
     if loop == "optimizer-in-backward":  # the PyTorch tutorial's pattern
 
@@ -646,7 +624,7 @@ def test_ddp_backward_fault_on_one_rank(tmp_path: Path, path: str) -> None:
     def rank_fn(rank: int, world: int) -> bytes:
         torch.manual_seed(0)
         net = Net()
-        poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
+        models.poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
         ddp = _ddp_model(net, path)
         watcher = _ddp_watch(ddp, path, "record", record_dir=False)
         for _ in range(4):
@@ -670,7 +648,7 @@ def test_ddp_backward_fault_on_one_rank(tmp_path: Path, path: str) -> None:
 def test_single_cuda_device_names_module_and_step() -> None:
     torch.manual_seed(0)
     net = Net().cuda()
-    poison(net.body[2].lin, lambda: watcher.step == 2)
+    models.poison(net.body[2].lin, lambda: watcher.step == 2)
     watcher = gpudiag.watch(net, "record", record_dir=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     for _ in range(4):
@@ -691,8 +669,8 @@ def test_ddp_under_autocast_with_a_grad_scaler(path: str) -> None:
     def rank_fn(rank: int, world: int) -> bytes:
         torch.manual_seed(0)
         net = Net()
-        poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 1, kind="grad")
-        poison(net.body[2].lin, lambda: rank == 1 and watcher.step == 3)
+        models.poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 1, kind="grad")
+        models.poison(net.body[2].lin, lambda: rank == 1 and watcher.step == 3)
         ddp = _ddp_model(net, path)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         watcher = _ddp_watch(ddp, path, "record", scaler=scaler, record_dir=False)
@@ -732,7 +710,7 @@ def test_ddp_on_cuda_over_nccl_names_module_step_and_phase(path: str) -> None:
             net = Net().cuda()
             target = net.body[2].lin if kind == "output" else net.body[2].norm
             box: dict[str, Any] = {}
-            poison(target, lambda step=step, box=box: box["watcher"].step == step, kind=kind)
+            models.poison(target, lambda step=step, box=box: box["watcher"].step == step, kind=kind)
             ddp = _ddp_model(net, path)
             watcher = box["watcher"] = _ddp_watch(ddp, path, "record", record_dir=False)
             for _ in range(4):
@@ -855,7 +833,7 @@ def test_ddp_fp16_compressed_all_reduce_overflowing_under_a_grad_scaler_is_its_s
 
         torch.manual_seed(0)
         net = Net()
-        poison(net.body[2].lin, lambda: rank == 1 and watcher.step == bad_step)
+        models.poison(net.body[2].lin, lambda: rank == 1 and watcher.step == bad_step)
         ddp = DistributedDataParallel(net)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         scaler = torch.amp.GradScaler("cpu")  # 65536
@@ -931,7 +909,7 @@ def test_ddp_a_fault_in_the_last_no_sync_micro_step_is_said_at_close() -> None:
         torch.manual_seed(0)
         net = Net()
         ddp = DistributedDataParallel(net)
-        poison(net.body[2].lin, lambda: rank == 0 and watcher.step == 4)
+        models.poison(net.body[2].lin, lambda: rank == 0 and watcher.step == 4)
         watcher = gpudiag.watch(ddp, "raise", record_dir=False)  # (close() warns instead)
         for _ in range(2):
             ddp(torch.randn(4, 8)).pow(2).mean().backward()
@@ -961,7 +939,7 @@ def test_ddp_join_with_uneven_inputs_does_not_hang(bad: bool) -> None:
         torch.manual_seed(0)
         net = Net()
         ddp = DistributedDataParallel(net)
-        poison(net.body[2].lin, lambda: bad and rank == 0 and watcher.step == 1)
+        models.poison(net.body[2].lin, lambda: bad and rank == 0 and watcher.step == 1)
         watcher = gpudiag.watch(ddp, "record", record_dir=False)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         with ddp.join():
@@ -1029,7 +1007,7 @@ def test_ddp_callbacks_in_another_order_fall_back_to_a_hook_per_gradient(
 
         torch.manual_seed(0)
         net = Net()
-        poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
+        models.poison(net.body[2].norm, lambda: rank == 0 and watcher.step == 2, kind="grad")
         ddp = DistributedDataParallel(net)
         watcher = gpudiag.watch(ddp, "record", record_dir=False)
         with warnings.catch_warnings(record=True) as caught:

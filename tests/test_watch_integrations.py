@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gpudiag.runtime.launch import launch
+from tests import models
 
 STEP = 3  # the backward pass (0-based) whose forward gets the NaN
 
@@ -41,17 +42,6 @@ def _as_torchrun(rank: int, world: int, port: int) -> None:
         MASTER_PORT=str(port),
     )
     warnings.simplefilter("ignore")  # the libraries' own deprecation notes; faults raise
-
-
-def _poison(module: nn.Module, when: Any) -> None:
-    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
-        if not when():
-            return None
-        out = out.clone()
-        out.view(-1)[0] = float("nan")
-        return out
-
-    module.register_forward_hook(hook)
 
 
 def _outcome(watcher: Any, error: BaseException | None) -> bytes:
@@ -113,7 +103,7 @@ def _lightning_rank(
     torch.manual_seed(0)
     module = Regressor()
     callback = WatchCallback("raise", record_dir=folder)
-    _poison(module.net[2], lambda: rank == bad_rank and callback.watcher.step == STEP)
+    models.poison(module.net[2], lambda: rank == bad_rank and callback.watcher.step == STEP)
     g = torch.Generator().manual_seed(rank)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
     trainer = pl.Trainer(
@@ -191,7 +181,7 @@ def _hf_rank(rank: int, world: int, port: int, bad_rank: int, folder: str) -> by
     trainer = Trainer(model=model, args=args, train_dataset=data)
     callback = WatchCallback.attach(trainer, "raise", record_dir=folder)
     dense = model.bert.encoder.layer[1].attention.output.dense
-    _poison(dense, lambda: rank == bad_rank and callback.watcher.step == STEP)
+    models.poison(dense, lambda: rank == bad_rank and callback.watcher.step == STEP)
     error = None
     try:
         trainer.train()
@@ -245,7 +235,7 @@ def _accelerate_rank(rank: int, world: int, port: int, bad_rank: int, folder: st
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
     # (injected before watching: the watcher's own hook then sees the poisoned output)
-    _poison(inner[2][0], lambda: rank == bad_rank and watcher.step == STEP)
+    models.poison(inner[2][0], lambda: rank == bad_rank and watcher.step == STEP)
     watcher = gpudiag.watch.accelerate.watch(accelerator, model, "raise", record_dir=folder)
     g = torch.Generator().manual_seed(rank)
     error = None

@@ -15,6 +15,7 @@ from torch import nn
 
 import gpudiag
 from gpudiag.runtime.launch import launch
+from tests import models
 
 pytestmark = pytest.mark.slow
 
@@ -30,26 +31,7 @@ TORCHVISION = {
 
 
 def _poisoned(model: nn.Module, path: str, when: Any, kind: str = "output") -> None:
-    module = model.get_submodule(path)
-
-    def forward(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
-        if not when():
-            return None
-        out = out.clone()
-        out.view(-1)[5] = float("nan")
-        return out
-
-    def backward(m: nn.Module, grad_in: Any, grad_out: Any) -> Any:
-        if not when() or grad_in[0] is None:
-            return None
-        g = grad_in[0].clone()
-        g.view(-1)[0] = float("inf")
-        return (g, *grad_in[1:])
-
-    if kind == "output":
-        module.register_forward_hook(forward)
-    else:
-        module.register_full_backward_hook(backward)
+    models.poison(model.get_submodule(path), when, kind)
 
 
 def _train(model: nn.Module, watcher: Any, batch: Any, steps: int = 3) -> None:
