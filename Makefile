@@ -1,8 +1,8 @@
 # gpudiag: two commands from a fresh clone.
 #   make demo   gpudiag doctor: every check that applies here, a summary, a report bundle
 #   make test   lint, type checks and the whole test suite
-#   make test-floor  the whole test suite on the oldest torch/torchvision pyproject.toml admits
-#                  (its floor), in .venv-floor
+#   make test-floor  lint, type checks and the whole test suite on the oldest torch/torchvision
+#                  pyproject.toml admits (its floor), in .venv-floor
 #   make gpu-test  on a machine that already has torch and a GPU (no network needed): install
 #                  gpudiag into $(PYTHON), run the whole suite with the gpu tests (gpu-suite), then
 #                  gradcheck torchvision models at world size 1 on CUDA (gpu-gradcheck); each part
@@ -59,6 +59,9 @@ $(FLOOR)/.installed: pyproject.toml
 
 test-floor: $(FLOOR)/.installed
 	$(FLOOR)/bin/python -c 'import torch, torchvision; print("test-floor: torch", torch.__version__, "torchvision", torchvision.__version__)'
+	$(FLOOR)/bin/ruff check .
+	$(FLOOR)/bin/ruff format --check .
+	$(FLOOR)/bin/mypy $(TYPED)
 	$(FLOOR)/bin/pytest -q
 
 gpu-install:

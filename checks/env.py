@@ -233,13 +233,21 @@ def _flags() -> dict[str, Any]:
     environment changes them: ``CUBLAS_WORKSPACE_CONFIG``, ``NVIDIA_TF32_OVERRIDE``)."""
     import torch
 
+    def legacy(read: Callable[[], Any]) -> Any:
+        # torch raises on its legacy TF32 getters when the per-operator settings disagree
+        # (cuDNN conv vs RNN, CUDA vs mkldnn matmul): that is the fact to report
+        try:
+            return read()
+        except RuntimeError:
+            return "mixed: the per-operator fp32_precision settings disagree"
+
     return {
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32_matmul": legacy(lambda: torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": legacy(lambda: torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": legacy(torch.get_float32_matmul_precision),
     }
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -466,3 +467,19 @@ def test_collecting_never_initialises_cuda(monkeypatch, tmp_path) -> None:  # ty
     report = collect_env(Commands({}), {}, home=str(tmp_path), live_topology=False)
     assert calls == []
     assert report.sections["versions"]["cuda_module_loading"] == "LAZY (not set; torch's default)"
+
+
+def test_flags_report_a_mixed_tf32_state_instead_of_losing_the_section() -> None:
+    """cuDNN conv in TF32 beside an RNN in full fp32: torch's legacy getter raises; the
+    flags section keeps its other fields and says what it found (issue 35)."""
+    import torch
+
+    from gpudiag.runtime.numerics import Numerics
+
+    mixed = replace(Numerics.observe(), cudnn_conv="tf32", cudnn_rnn="ieee")
+    with mixed.applied():
+        report = collect_env(Commands({}), {}, live_topology=False)
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    flags = report.sections["flags"]
+    assert flags["tf32_cudnn"].startswith("mixed") and flags["cudnn_benchmark"] is False
+    assert "flags" not in report.missing

@@ -4,6 +4,7 @@ rank, reported as each process saw them (the flags exist on the CPU too)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,9 +45,45 @@ def test_applied_sets_every_flag_and_restores_them(users_settings: Numerics) -> 
         assert torch.backends.cudnn.deterministic and torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
     assert Numerics.observe() == users_settings
-    # Only torch's new interface is touched, so the legacy one still reads without torch's
-    # "mix of the legacy and new APIs" error.
     assert torch.backends.cudnn.allow_tf32 is True
+
+
+def legacy_flags() -> tuple[bool, bool]:
+    """What a training script reads through torch's legacy TF32 interface."""
+    return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+
+def test_the_legacy_tf32_interface_reads_true_under_and_after_the_comparison_settings() -> None:
+    """torch 2.14 raised on ``torch.backends.cudnn.allow_tf32`` once conv and RNN were set
+    to ``ieee`` through the new interface (issue 35): the user's code must read the truth."""
+    with Numerics.comparison().applied():
+        assert legacy_flags() == (False, False) and torch.get_float32_matmul_precision() == "highest"
+        assert torch.backends.cudnn.conv.fp32_precision == torch.backends.cudnn.rnn.fp32_precision == "ieee"
+        with USERS.applied():  # (its mkldnn bf16 beside cuda tf32 has no one legacy precision)
+            assert legacy_flags() == (True, True)
+            assert Numerics.observe() == USERS
+        with replace(USERS, mkldnn_matmul="tf32").applied():
+            assert legacy_flags() == (True, True) and torch.get_float32_matmul_precision() == "high"
+        assert legacy_flags() == (False, False) and torch.get_float32_matmul_precision() == "highest"
+
+
+class ReadsTf32Flags(torch.nn.Module):
+    """A model whose forward reads the legacy TF32 switches, as training code often does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = models.mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if legacy_flags()[0]:
+            raise AssertionError("TF32 reported on in a comparison process")
+        return self.net(x)
+
+
+def test_gradcheck_of_a_model_that_reads_the_legacy_tf32_switch_passes() -> None:
+    x, y = models.batch(8)
+    report = gradcheck(ReadsTf32Flags, x, y)
+    assert report.verdict == "pass", report.summary()
 
 
 @pytest.mark.parametrize("start", ["auto", "subprocess"])

@@ -12,10 +12,16 @@ uses: every fp32 precision ``ieee`` (no TF32, no bf16 emulation; the
 and deterministic. ``Numerics.observe()`` reads the current process; ``applied()`` sets
 a set for the length of a block and restores the previous flags after.
 
-Only torch's ``fp32_precision`` interface is used (``torch.backends.cuda.matmul``,
-``cudnn.conv``, ``cudnn.rnn``, ``mkldnn.matmul/conv/rnn``; torch ≥ 2.9), never the
-legacy ``allow_tf32`` / ``set_float32_matmul_precision``: torch raises when a process
-mixes the two interfaces for one backend.
+The settings are made through torch's ``fp32_precision`` interface
+(``torch.backends.cuda.matmul``, ``cudnn.conv``, ``cudnn.rnn``, ``mkldnn.matmul/conv/rnn``;
+torch ≥ 2.9). The legacy interface must keep reading true, since models, training scripts
+and libraries read it: torch keeps the legacy cuDNN switch (``torch.backends.cudnn.allow_tf32``)
+apart from the per-operator values and raises on reading it when they disagree ("cuDNN conv
+and cuDNN RNN have different TF32 flags", torch 2.14, even with both at ``ieee``). So where
+conv and RNN agree, that switch is set to match *before* them (setting it after would reset
+them to ``none``). The matmul switch (``torch.backends.cuda.matmul.allow_tf32``,
+``get_float32_matmul_precision()``) is kept the same way, through
+``set_float32_matmul_precision`` before the per-backend values.
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class Numerics:
 
     def apply(self) -> None:
         """Set these settings in this process (for good: see :meth:`applied`)."""
+        self._align_legacy_switches()
         for name, path in PRECISION_KNOBS.items():
             backend, value = _backend(path), getattr(self, name)
             if backend is not None and value != ABSENT:
@@ -120,6 +127,19 @@ class Numerics:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown default dtype {self.default_dtype!r}")
         torch.set_default_dtype(dtype)
+
+    def _align_legacy_switches(self) -> None:
+        """The legacy switches set to what the per-backend values will say, so that reading
+        them neither raises nor lies; done before those values, as the legacy setters reset
+        them. ``torch.backends.cudnn.allow_tf32``: when ``cudnn_conv`` and ``cudnn_rnn`` agree
+        on ``ieee`` or ``tf32`` (where they differ torch's getter raises by design, and the
+        switch is left alone). ``set_float32_matmul_precision``: ``high`` for a ``tf32``
+        ``cuda_matmul``, else ``highest``."""
+        conv, rnn = self.cudnn_conv, self.cudnn_rnn
+        if conv == rnn and conv in ("ieee", "tf32") and _backend("cudnn.conv") is not None:
+            torch.backends.cudnn.allow_tf32 = conv == "tf32"
+        if self.cuda_matmul in ("ieee", "tf32", "none") and _backend("cuda.matmul") is not None:
+            torch.set_float32_matmul_precision("high" if self.cuda_matmul == "tf32" else "highest")
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[Numerics]:

@@ -51,9 +51,10 @@ class Progress:
     def __init__(self, dist: Any, rank: int, world: int):
         self.rank, self.world, self.seq = rank, world, 0
         self.store: Any = None
-        with contextlib.suppress(Exception):
-            base = dist.distributed_c10d._get_default_store()
-            self.store = dist.PrefixStore("gpudiag-sweep/", base)
+        default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if default_store is not None:
+            with contextlib.suppress(Exception):
+                self.store = dist.PrefixStore("gpudiag-sweep/", default_store())
 
     def mark(self, state: str, name: str) -> None:
         if self.store is not None:

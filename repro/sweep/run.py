@@ -118,14 +118,19 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
         import torch._C._distributed_c10d as c10d
 
         # ProcessGroupNCCL keeps its own recorder (of CUDA events), dumped by
-        # _dump_nccl_trace; gloo's is the c10::Event one _dump_fr_trace reads (2.15)
-        if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
-            data = c10d._dump_nccl_trace()
-        else:
+        # _dump_nccl_trace; gloo's is the c10::Event one _dump_fr_trace reads (2.15).
+        # Private and versioned: reached through getattr, never typed against one torch.
+        nccl_dump = getattr(c10d, "_dump_nccl_trace", None) if backend == "nccl" else None
+        fr_dump = getattr(c10d, "_dump_fr_trace", None)
+        if nccl_dump is not None:
+            data = nccl_dump()
+        elif fr_dump is not None:
             try:
-                data = c10d._dump_fr_trace(backend=backend)
+                data = fr_dump(backend=backend)
             except TypeError:  # torch < 2.15: one recorder, no backend argument
-                data = c10d._dump_fr_trace()
+                data = fr_dump()
+        else:
+            return None
         path.write_bytes(bytes(data))
     except Exception:
         return None
