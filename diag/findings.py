@@ -1,21 +1,27 @@
 """Findings: what a check or an analysis concluded, with a stable public code.
 
-A :class:`Finding` code is kebab-case and documented in ``docs/findings.md``; codes are
-public API and never renamed. Severity is ``info`` (advice), ``warning`` or ``error``.
+A :class:`Finding` code is kebab-case, registered in :mod:`gpudiag.codes` and documented in
+``docs/findings.md``; codes are public API and never renamed. Severity is ``info`` (advice),
+``warning`` or ``error``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Severity = Literal["info", "warning", "error"]
+from gpudiag.codes import CODES, Severity, lookup
+
+__all__ = ["Finding", "Severity", "short_repr"]
 
 
 @dataclass(frozen=True)
 class Finding:
     """One conclusion: ``code`` (stable), ``message`` (one line), the ``evidence`` behind
-    it (JSON-serialisable), and where known the likely ``cause`` and the ``fix``."""
+    it (JSON-serialisable), and where known the likely ``cause`` and the ``fix``.
+
+    The code must be registered (:func:`gpudiag.codes.lookup` raises ``UnknownCode``), except
+    for a ``foreign`` finding read back from a file another gpudiag version wrote."""
 
     code: str
     severity: Severity
@@ -23,6 +29,11 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     cause: str | None = None
     fix: str | None = None
+    foreign: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.foreign:
+            lookup(self.code)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -39,8 +50,10 @@ class Finding:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Finding:
+        code = str(data["code"])
         return cls(
-            code=str(data["code"]),
+            code=code,
+            foreign=code not in CODES,
             severity=data.get("severity", "warning"),
             message=str(data["message"]),
             evidence=dict(data.get("evidence") or {}),

@@ -51,6 +51,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpudiag.codes import lookup
 from gpudiag.errors import EXIT_PROBLEM, GpudiagError, InputError
 from gpudiag.findings import Finding
 from gpudiag.runtime.rank_side import JOB_FILE, RankFn, RankSpec, leave_group, rank_main
@@ -87,7 +88,7 @@ class RankFailure(GpudiagError):
 
     def __init__(self, code: str, rank: int, message: str, detail: str = ""):
         super().__init__(message)
-        self.code = code
+        self.code = lookup(code).name
         self.rank = rank
         self.detail = detail
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.codes import lookup
 from gpudiag.repro.sweep.hosts import host_key
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, FIGURES
 
@@ -42,6 +43,9 @@ class Problem:
     message: str
     expected: Any = None
     measured: Any = None
+
+    def __post_init__(self) -> None:
+        lookup(self.code)  # a registered finding code (gpudiag.codes), or UnknownCode
 
     def to_json(self) -> dict[str, Any]:
         return {

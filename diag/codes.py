@@ -1,0 +1,176 @@
+"""The table of finding codes: every code gpudiag emits, its severity, its section of
+``docs/findings.md`` and a one-line title (NVIDIA DCGM's ``dcgm_errors.h`` is the model).
+
+Codes are public API: scripts match on them, so they are never renamed. A :class:`Finding`,
+a sweep ``Problem`` and a ``RankFailure`` are made only from a code in this table
+(:func:`lookup` raises :class:`UnknownCode` otherwise), and a test holds the table equal to
+the headings of ``docs/findings.md``. Adding a code: a row here and a ``###`` section there.
+
+``severity`` is the code's usual severity, as its docs section states it; a few codes are
+milder where their section says so (``uneven-shards`` is ``info`` when nothing differs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Severity = Literal["info", "warning", "error"]
+
+#: Section key → the ``##`` heading of docs/findings.md it stands for.
+SECTIONS = {
+    "topology": "Topology (`gpudiag topology`)",
+    "runtime": "Runtime (every command that runs training)",
+    "gradients": "Gradients (`gpudiag gradcheck`)",
+    "nancheck": "Where training breaks (`gpudiag nancheck`)",
+    "peer": "Peer-to-peer paths (`gpudiag peer`)",
+    "environment": "Environment (`gpudiag env`, `report`, `doctor`)",
+    "bench": "Training speed (`gpudiag bench`)",
+    "sweep": "A cluster, node by node (`gpudiag sweep`)",
+}
+
+
+@dataclass(frozen=True)
+class Code:
+    """One finding code: ``name`` (kebab-case), its usual ``severity``, the ``section`` key
+    of :data:`SECTIONS` where it is documented, and a one-line ``title``."""
+
+    name: str
+    severity: Severity
+    section: str
+    title: str
+
+
+class UnknownCode(ValueError):
+    """A finding was made with a code that is not in :data:`CODES` (a programming error:
+    register the code and document it)."""
+
+
+_ROWS: tuple[tuple[str, Severity, str, str], ...] = (
+    # topology
+    ("mixed-links", "warning", "topology", "some GPU pairs are joined by NVLink, others only by PCIe"),
+    (
+        "sys-ambiguous",
+        "warning",
+        "topology",
+        "SYS between GPUs of one NUMA node: the label is not trustworthy",
+    ),
+    ("nvswitch-without-nvlink", "warning", "topology", "NVSwitch-class GPUs show no NVLink between any pair"),
+    ("p2p-not-supported", "warning", "topology", "peer-to-peer access is not available for a GPU pair"),
+    ("asymmetric-cell", "warning", "topology", "A→B and B→A read differently in the capture"),
+    ("truncated-capture", "warning", "topology", "the capture stops before its last rows"),
+    ("capture-extra-values", "warning", "topology", "a capture row has more values than the header"),
+    ("capture-missing-values", "warning", "topology", "a capture row has fewer values than the header"),
+    ("gpu-lost", "error", "topology", "NVML reports a GPU lost (fell off the bus or failed)"),
+    ("nvml-field-unavailable", "warning", "topology", "NVML could not read one field for some GPUs"),
+    ("best-gpu-groups", "info", "topology", "the best disjoint groups of 2 and of 4 GPUs"),
+    ("numa-affinity", "info", "topology", "which CPUs and NUMA node each GPU is close to"),
+    # runtime
+    ("rank-crashed", "error", "runtime", "a DDP rank raised"),
+    ("rank-hung", "error", "runtime", "a rank gave neither a result nor an error before the deadline"),
+    ("syncbn-skipped", "warning", "runtime", "SyncBatchNorm was asked for but cannot run here"),
+    # gradients
+    (
+        "batchnorm-per-replica",
+        "warning",
+        "gradients",
+        "BatchNorm normalises each replica with its own statistics",
+    ),
+    ("dropout-active", "warning", "gradients", "random draws of train mode differ between strategies"),
+    (
+        "random-in-forward",
+        "warning",
+        "gradients",
+        "the forward draws random numbers controlled mode cannot take",
+    ),
+    ("nondeterministic-op", "warning", "gradients", "the reference itself is not reproducible"),
+    ("loss-scale-world-size", "warning", "gradients", "DDP's gradient is W or 1/W times single's"),
+    ("uneven-shards", "warning", "gradients", "the batch does not split evenly over the devices"),
+    ("unused-parameters", "warning", "gradients", "some parameters get no gradient"),
+    ("nonfinite-gradient", "error", "gradients", "NaN or Inf in a strategy's gradient or loss"),
+    ("ranks-diverged", "error", "gradients", "DDP ranks hold different parameters after a step"),
+    (
+        "numerics-differ",
+        "error",
+        "gradients",
+        "a process of the comparison computed under other numeric settings",
+    ),
+    ("numerics-changed", "warning", "gradients", "the model changed torch's numeric flags"),
+    (
+        "mismatch-unexplained",
+        "error",
+        "gradients",
+        "a strategy differs beyond tolerance and no cause was confirmed",
+    ),
+    # nancheck
+    ("link-corruption", "error", "nancheck", "training breaks only on particular GPU pairs"),
+    ("device-fault", "error", "nancheck", "every pair containing one GPU fails"),
+    ("numeric-divergence", "error", "nancheck", "every GPU diverges alone too: the model, not the hardware"),
+    (
+        "pair-numeric-divergence",
+        "warning",
+        "nancheck",
+        "a pair diverges while its GPUs train alone, no transfer broke",
+    ),
+    ("loss-explosion", "warning", "nancheck", "a pair's loss grew past 100× its first value"),
+    # peer
+    ("p2p-copy-mismatch", "error", "peer", "a one-way peer copy arrived wrong at the destination"),
+    (
+        "p2p-bandwidth-inverted",
+        "warning",
+        "peer",
+        "direct copies are slower than copies staged through the host",
+    ),
+    ("allreduce-wrong-values", "error", "peer", "a two-rank all-reduce returned wrong values"),
+    ("collective-hang", "error", "peer", "the all-reduce did not finish before the timeout"),
+    ("iommu-enabled", "warning", "peer", "an IOMMU translates device DMA"),
+    ("acs-redirect", "warning", "peer", "PCIe ACS redirects peer requests through the root complex"),
+    ("nccl-env-override", "info", "peer", "NCCL settings that change how GPUs talk are set"),
+    # environment
+    ("weights-only-load-off", "warning", "environment", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set"),
+    # bench
+    ("input-bound", "warning", "bench", "the step waits for the next batch"),
+    ("dp-overhead", "warning", "bench", "DataParallel's scatter, replicate and gather take much of the step"),
+    ("dp-memory-imbalance", "warning", "bench", "DataParallel's first GPU holds much more memory"),
+    (
+        "gpus-poorly-connected",
+        "warning",
+        "bench",
+        "the GPUs of a multi-GPU case are joined only by slow paths",
+    ),
+    ("rank-straggler", "warning", "bench", "one DDP rank's own work per step is slower than the others'"),
+    ("comm-exposed", "warning", "bench", "the step waits for the gradient all-reduce after backward"),
+    ("per-gpu-batch-small", "warning", "bench", "a per-GPU batch too small to scale"),
+    ("cpu-oversubscribed", "warning", "bench", "more compute threads than the host has cores"),
+    ("amp-no-gain", "warning", "bench", "mixed precision gives almost no speed-up"),
+    # sweep
+    ("node-missing", "error", "sweep", "an expected host never joined the sweep"),
+    ("node-hung", "error", "sweep", "a rank stopped answering during the sweep"),
+    ("node-check-failed", "error", "sweep", "one of the node's own checks failed or broke"),
+    ("node-allreduce-wrong", "error", "sweep", "the job-wide all-reduce returned wrong values on the node"),
+    ("node-link-corrupt", "error", "sweep", "the pairwise link test saw wrong values through the node"),
+    ("node-link-slow", "error", "sweep", "the node's pair all-reduce was much slower than the median"),
+    ("node-figure-low", "error", "sweep", "a figure of the node is far below the other nodes'"),
+    ("node-below-baseline", "error", "sweep", "a figure of the node is below the baseline for its machine"),
+    ("node-version-differs", "error", "sweep", "a version differs from the one most nodes have"),
+    ("node-host-differs", "error", "sweep", "a host fact differs from the one most nodes have"),
+    ("node-topology-differs", "error", "sweep", "the node's GPU topology differs from most nodes'"),
+    ("node-fewer-gpus", "error", "sweep", "the node has fewer GPUs than most nodes"),
+    ("node-no-gpus", "error", "sweep", "torch sees no CUDA GPU on the node"),
+    ("node-host-duplicate", "error", "sweep", "several nodes report the same host name"),
+)
+
+#: Every finding code, by name.
+CODES: dict[str, Code] = {
+    name: Code(name, severity, section, title) for name, severity, section, title in _ROWS
+}
+
+
+def lookup(name: str) -> Code:
+    """The registered code ``name``; :class:`UnknownCode` if it is not in the table."""
+    try:
+        return CODES[name]
+    except KeyError:
+        raise UnknownCode(
+            f"finding code {name!r} is not registered in gpudiag.codes (and docs/findings.md)"
+        ) from None
