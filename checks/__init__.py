@@ -1,1 +1,2 @@
-"""Diagnoses: one module per check, each returning a CheckResult."""
+"""Diagnoses: one module (or package) per check, each returning a
+:class:`gpudiag.result.CheckResult` and registered in :mod:`gpudiag.checks.registry`."""

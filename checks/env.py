@@ -64,6 +64,19 @@ class EnvReport:
             Finding("weights-only-load-off", "warning", warning, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "set"})
         ]
 
+    @property
+    def verdict(self) -> str:
+        """``warning`` when a finding was drawn, else ``pass``."""
+        return "warning" if self.findings else "pass"
+
+    @property
+    def simulated(self) -> bool:
+        return False
+
+    def exit_code(self) -> int:
+        """0: the environment is reported, never judged a failure."""
+        return 0
+
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "sections": self.sections, "missing": self.missing}
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag import defaults as D
+from gpudiag.checks import registry
+from gpudiag.checks.registry import MACHINE_FILE, Check, Request
 from gpudiag.errors import CannotRunHere, GpudiagError
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
+from gpudiag.result import CheckResult
 from gpudiag.runtime.faults import can_fire
 
-#: Every check, in the order they run (cheapest and most basic first).
-CHECKS = ("env", "topology", "peer", "gradcheck", "nancheck")
 STATUSES = ("pass", "explained", "warning", "fail", "skipped", "error")
 #: What the suite runs when nobody says otherwise: small, quick, and telling.
 _BATCH = {
@@ -57,8 +58,7 @@ DEFAULT_NANCHECK = {
     "seed": D.SEED,
     "inject": [],
 }
-#: The config key that says "on virtual devices laid out like the bundle's machine file".
-MACHINE_FILE = "machine.json"
+__all__ = ["MACHINE_FILE", "STATUSES", "CheckRun", "Here", "command_line", "plan", "run_check"]
 
 
 @dataclass
@@ -168,43 +168,19 @@ def plan(
     pairs: str = "all",
     inputs: dict[str, Any] | None = None,
 ) -> list[tuple[str, dict[str, Any] | None, str]]:
-    """``(check, config, why skipped)`` for each wanted check (default: all); config None
-    means it cannot run here and ``why`` says why and what would make it run. ``pairs``
-    limits peer and nancheck to some GPU pairs (``0-1,5-6``); ``inputs`` (``input_shape``,
-    ``input_dtype``, ``input_range``) replace the defaults of gradcheck's and nancheck's batch."""
-    inputs = {k: v for k, v in (inputs or {}).items() if v is not None}
-    virtual = here.machine is not None
+    """``(check, config, why skipped)`` for each wanted check (default: every check of the
+    suite, :func:`gpudiag.checks.registry.names`); config None means it cannot run here and
+    ``why`` says why and what would make it run. ``pairs`` limits peer and nancheck to some
+    GPU pairs (``0-1,5-6``); ``inputs`` (``input_shape``, ``input_dtype``, ``input_range``)
+    replace the defaults of gradcheck's and nancheck's batch."""
+    request = Request(model, tuple(inject), pairs, {k: v for k, v in (inputs or {}).items() if v is not None})
     out: list[tuple[str, dict[str, Any] | None, str]] = []
-    for name in names or CHECKS:
-        config: dict[str, Any] | None = None
-        why = ""
-        if name == "env":
-            config = {}
-        elif name == "topology":
-            if virtual:
-                config = {"machine": MACHINE_FILE}
-            elif here.nvml is None:
-                config = {"source": "nvml"}
-            else:
-                why = "NVML is not available here; diagnose a machine from its capture: --machine topo.txt"
-        elif name == "peer":
-            config = {"machine": MACHINE_FILE if virtual else None, "pairs": pairs, "inject": list(inject)}
-        elif name == "gradcheck":
-            config = {**DEFAULT_GRADCHECK, **inputs}
-            ranks = [tuple(range(config["world_size"]))]  # (faults meant for another check stay out)
-            config["inject"] = [s for s in inject if can_fire(s, ranks, config["steps"])]
-            if model:
-                config["model"] = model
-        elif name == "nancheck":
-            if virtual or here.cuda_gpus >= 1:
-                config = {**DEFAULT_NANCHECK, **inputs, "machine": MACHINE_FILE if virtual else None}
-                config.update({"inject": list(inject), "pairs": pairs})
-                if model:
-                    config["model"] = model
-            else:
-                why = "no CUDA GPU here; train on virtual devices laid out like a machine: --machine topo.txt"
-        else:
-            raise ValueError(f"unknown check {name!r}")
+    for name in names or registry.names(suite_only=True):
+        try:
+            entry = registry.get(name)
+        except KeyError as exc:
+            raise ValueError(str(exc).strip("'\"")) from None
+        config, why = entry.plan(here, request)
         out.append((name, config, why))
     return out
 
@@ -215,7 +191,8 @@ def run_check(name: str, config: dict[str, Any] | None, here: Here, *, why: str 
         return CheckRun(name, "skipped", why or "cannot run here", None)
     start = time.perf_counter()
     try:
-        run = _RUNNERS[name](config, here)
+        entry = registry.get(name)
+        run = _finished(entry, config, entry.run(config, here))
     except CannotRunHere as exc:
         run = CheckRun(name, "skipped", str(exc), config)
     except GpudiagError as exc:
@@ -227,6 +204,7 @@ def run_check(name: str, config: dict[str, Any] | None, here: Here, *, why: str 
 
 
 def _machine(config: Mapping[str, Any], here: Here) -> Any:
+    """The machine a configuration's ``machine`` field names (None: the real one)."""
     if config.get("machine") is None:
         return None
     if here.machine is None:
@@ -236,24 +214,26 @@ def _machine(config: Mapping[str, Any], here: Here) -> Any:
     return here.machine
 
 
-def _finished(
-    name: str,
-    status: str,
-    config: dict[str, Any],
-    report: Any,
-    fallback: str,
-    skipped: list[str] | None = None,
-) -> CheckRun:
-    """The CheckRun of a check that ran: its report's findings, headline and full document."""
+def _finished(entry: Check, config: dict[str, Any], report: Any) -> CheckRun:
+    """The CheckRun of a check that ran: its status (the entry's, else the verdict where it
+    is a suite status, else fail/warning/pass from the exit code and findings), headline,
+    findings and full document."""
     findings = list(report.findings)
+    if entry.status is not None:
+        status = entry.status(report)
+    elif report.verdict in STATUSES:
+        status = report.verdict
+    else:
+        status = "fail" if report.exit_code() else ("warning" if _warns(findings) else "pass")
+    fallback = entry.headline(report)
     return CheckRun(
-        name,
+        entry.name,
         status,
-        _headline(findings, fallback),
+        fallback if status == "skipped" else _headline(findings, fallback),
         config,
         findings,
         report.to_json(),
-        skipped=skipped or [],
+        skipped=entry.skipped(report),
         report=report,
         simulation=getattr(report, "simulation", None),
     )
@@ -267,74 +247,138 @@ def _headline(findings: list[Finding], fallback: str) -> str:
     return fallback
 
 
-def _env(config: dict[str, Any], here: Here) -> CheckRun:
+# gpudiag's own checks: a planner, a runner and a headline each, registered below.
+
+
+def _plan_env(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    return {}, ""
+
+
+def _run_env(config: dict[str, Any], here: Here) -> CheckResult:
     from gpudiag.checks.env import collect_env
 
-    report = collect_env(live_topology=here.machine is None)
+    report: CheckResult = collect_env(live_topology=here.machine is None)
+    return report
+
+
+def _env_headline(report: Any) -> str:
     versions = report.sections.get("versions", {})
     summary = f"torch {versions.get('torch')}, CUDA {versions.get('cuda_runtime') or 'none'}"
     summary += f", NCCL {versions.get('nccl_runtime') or 'none'}"
-    summary += f"; {len(report.missing)} item(s) could not be collected"
-    return _finished("env", "warning" if report.findings else "pass", config, report, summary)
+    return summary + f"; {len(report.missing)} item(s) could not be collected"
 
 
-def _topology(config: dict[str, Any], here: Here) -> CheckRun:
+def _plan_topology(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    if here.machine is not None:
+        return {"machine": MACHINE_FILE}, ""
+    if here.nvml is None:
+        return {"source": "nvml"}, ""
+    return None, "NVML is not available here; diagnose a machine from its capture: --machine topo.txt"
+
+
+def _run_topology(config: dict[str, Any], here: Here) -> CheckResult:
     from gpudiag.hw.sources import read_topology
     from gpudiag.topology.analysis import analyze
 
-    topo = _machine(config, here) if config.get("machine") else read_topology()
-    report = analyze(topo)
-    fallback = f"{len(topo.gpu_labels)} GPU(s) from {topo.source}; {len(report.pairs)} pair(s), no warnings"
-    return _finished("topology", "warning" if report.warnings else "pass", config, report, fallback)
+    report: CheckResult = analyze(_machine(config, here) if config.get("machine") else read_topology())
+    return report
 
 
-def _peer(config: dict[str, Any], here: Here) -> CheckRun:
+def _topology_headline(report: Any) -> str:
+    topo = report.topology
+    return f"{len(topo.gpu_labels)} GPU(s) from {topo.source}; {len(report.pairs)} pair(s), no warnings"
+
+
+def _plan_peer(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    machine = MACHINE_FILE if here.machine is not None else None
+    return {"machine": machine, "pairs": request.pairs, "inject": list(request.inject)}, ""
+
+
+def _run_peer(config: dict[str, Any], here: Here) -> CheckResult:
     from gpudiag.checks.peer import peer
     from gpudiag.parsers import parse_sizes
 
     sizes = config.get("sizes")
-    report = peer(
+    report: CheckResult = peer(
         machine=_machine(config, here),
         pairs=config.get("pairs", "all"),
         sizes=parse_sizes(sizes) if sizes else None,
         inject=tuple(config.get("inject", ())),
         machine_source=here.machine_source,
     )
-    if report.verdict == "skipped":  # not enough GPUs: the host probes' findings still count
-        run = _finished("peer", "skipped", config, report, "")
-        run.headline = str(report.reason)
-        run.skipped = [s for s in report.skipped if s != report.reason]
-        return run
-    status = (
-        report.verdict if report.verdict == "fail" else ("warning" if _warns(report.findings) else "pass")
-    )
-    fallback = f"{len(report.pairs)} direction(s) verified on " + (
+    return report
+
+
+def _peer_status(report: Any) -> str:
+    """skipped (no pair to test here: the host probes' findings still count), fail, or
+    warning/pass by the findings."""
+    if report.verdict in ("skipped", "fail"):
+        return str(report.verdict)
+    return "warning" if _warns(report.findings) else "pass"
+
+
+def _peer_headline(report: Any) -> str:
+    if report.verdict == "skipped":
+        return str(report.reason)
+    return f"{len(report.pairs)} direction(s) verified on " + (
         "CPU virtual devices, not the GPUs" if report.simulated else f"{report.devices} devices"
     )
-    return _finished("peer", status, config, report, fallback, list(report.skipped))
 
 
-def _gradcheck(config: dict[str, Any], here: Here) -> CheckRun:
+def _peer_skipped(report: Any) -> list[str]:
+    return (
+        [s for s in report.skipped if s != report.reason]
+        if report.verdict == "skipped"
+        else list(report.skipped)
+    )
+
+
+def _plan_gradcheck(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    config = {**DEFAULT_GRADCHECK, **request.inputs}
+    ranks = [tuple(range(config["world_size"]))]  # (faults meant for another check stay out)
+    config["inject"] = [s for s in request.inject if can_fire(s, ranks, config["steps"])]
+    if request.model:
+        config["model"] = request.model
+    return config, ""
+
+
+def _run_gradcheck(config: dict[str, Any], here: Here) -> CheckResult:
     from gpudiag.checks.gradcheck import gradcheck_spec
 
     options = dict(config)
     options["input_shape"] = tuple(options.get("input_shape", D.INPUT_SHAPE))
     options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
     options["inject"] = tuple(options.get("inject", ()))
-    report = gradcheck_spec(**options)
-    others = ", ".join(s for s in report.config["strategies"] if s != "single")
-    fallback = f"{others} agree with single (tolerance {report.tolerance['rel_norm_err']:.3g})"
-    if report.simulated:
-        fallback += " on CPU virtual devices"
+    report: CheckResult = gradcheck_spec(**options)
+    return report
+
+
+def _gradcheck_headline(report: Any) -> str:
     if report.verdict == "explained":
-        fallback = "differences, all explained: " + ", ".join(
+        return "differences, all explained: " + ", ".join(
             f.code for f in report.findings if f.severity == "warning"
         )
-    skipped = [f.message for f in report.findings if f.code == "syncbn-skipped"]
-    return _finished("gradcheck", report.verdict, config, report, fallback, skipped)
+    others = ", ".join(s for s in report.config["strategies"] if s != "single")
+    headline = f"{others} agree with single (tolerance {report.tolerance['rel_norm_err']:.3g})"
+    return headline + (" on CPU virtual devices" if report.simulated else "")
 
 
-def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
+def _gradcheck_skipped(report: Any) -> list[str]:
+    return [f.message for f in report.findings if f.code == "syncbn-skipped"]
+
+
+def _plan_nancheck(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    virtual = here.machine is not None
+    if not virtual and here.cuda_gpus < 1:
+        return None, "no CUDA GPU here; train on virtual devices laid out like a machine: --machine topo.txt"
+    config = {**DEFAULT_NANCHECK, **request.inputs, "machine": MACHINE_FILE if virtual else None}
+    config.update({"inject": list(request.inject), "pairs": request.pairs})
+    if request.model:
+        config["model"] = request.model
+    return config, ""
+
+
+def _run_nancheck(config: dict[str, Any], here: Here) -> CheckResult:
     from gpudiag.checks.nancheck import nancheck_spec
 
     machine = _machine(config, here)
@@ -346,17 +390,97 @@ def _nancheck(config: dict[str, Any], here: Here) -> CheckRun:
     report = nancheck_spec(machine=machine, **options)
     report.config["machine"] = config.get("machine")
     report.machine_source = here.machine_source
-    fallback = f"{len(report.singles)} GPU(s) alone and {len(report.pairs)} pair(s) train without NaN"
-    if report.simulated:
-        fallback += " on CPU virtual devices, not the GPUs"
-    return _finished("nancheck", report.verdict, config, report, fallback)
+    result: CheckResult = report
+    return result
+
+
+def _nancheck_headline(report: Any) -> str:
+    headline = f"{len(report.singles)} GPU(s) alone and {len(report.pairs)} pair(s) train without NaN"
+    return headline + (" on CPU virtual devices, not the GPUs" if report.simulated else "")
 
 
 def _warns(findings: list[Finding]) -> bool:
     return any(f.severity == "warning" for f in findings)
 
 
-_RUNNERS = {"env": _env, "topology": _topology, "peer": _peer, "gradcheck": _gradcheck, "nancheck": _nancheck}
+def _fields(name: str) -> Any:
+    def fields() -> Any:
+        from gpudiag.checks.fields import config_fields
+
+        return config_fields()[name]
+
+    return fields
+
+
+def _compare(name: str) -> Any:
+    def compare(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+        from gpudiag.checks import compare_results
+
+        return compare_results.NUMBERS[name](there, here)
+
+    return compare
+
+
+# The order of registration is the order the suite runs them: cheapest and most basic first.
+registry.register(
+    Check(
+        "env",
+        "versions, GPU numbering, NCCL settings, IOMMU",
+        _plan_env,
+        _run_env,
+        _env_headline,
+        config_fields=_fields("env"),
+    )
+)
+registry.register(
+    Check(
+        "topology",
+        "how the GPUs are connected",
+        _plan_topology,
+        _run_topology,
+        _topology_headline,
+        formats=("text", "json", "markdown", "dot"),
+        config_fields=_fields("topology"),
+        compare=_compare("topology"),
+    )
+)
+registry.register(
+    Check(
+        "peer",
+        "peer-to-peer copies and all-reduce per GPU pair",
+        _plan_peer,
+        _run_peer,
+        _peer_headline,
+        status=_peer_status,
+        skipped=_peer_skipped,
+        config_fields=_fields("peer"),
+        compare=_compare("peer"),
+    )
+)
+registry.register(
+    Check(
+        "gradcheck",
+        "single, DataParallel and DDP gradients compared",
+        _plan_gradcheck,
+        _run_gradcheck,
+        _gradcheck_headline,
+        skipped=_gradcheck_skipped,
+        config_fields=_fields("gradcheck"),
+        required=("model",),
+        compare=_compare("gradcheck"),
+    )
+)
+registry.register(
+    Check(
+        "nancheck",
+        "the GPU pair or link where training goes NaN",
+        _plan_nancheck,
+        _run_nancheck,
+        _nancheck_headline,
+        config_fields=_fields("nancheck"),
+        compare=_compare("nancheck"),
+    )
+)
 
 
 def command_line(name: str, config: Mapping[str, Any] | None) -> str:

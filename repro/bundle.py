@@ -182,7 +182,10 @@ def _read_zip(source: Path) -> dict[str, bytes]:
 
 def _damaged(document: dict[str, Any]) -> str | None:
     """What in ``report.json`` has the wrong type for replay to read it, naming the field."""
-    from gpudiag.checks.suite import CHECKS, STATUSES
+    from gpudiag.checks.registry import names
+    from gpudiag.checks.suite import STATUSES
+
+    known = names()
 
     env = document.get("env")
     if env is not None and not isinstance(env, dict):
@@ -195,8 +198,8 @@ def _damaged(document: dict[str, Any]) -> str | None:
             return "env.sections is not an object of objects"
     for i, check in enumerate(document["checks"]):
         where = f"checks[{i}]"
-        if check["name"] not in CHECKS:
-            return f"{where}.name: unknown check {check['name']!r} (known: {', '.join(CHECKS)})"
+        if check["name"] not in known:
+            return f"{where}.name: unknown check {check['name']!r} (known: {', '.join(known)})"
         if check["status"] not in STATUSES:
             return f"{where}.status: {check['status']!r} is not one of {', '.join(STATUSES)}"
         for key, kinds, what in (

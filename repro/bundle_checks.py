@@ -1,27 +1,19 @@
 """A bundle's recorded configurations and results, checked before replay runs anything:
 only the fields ``gpudiag report`` writes, of the right types and within bounds
-(:data:`LIMITS`); anything else is one :class:`~gpudiag.errors.InputError` naming the
-field (exit 2). Nothing here imports torch until a check's fields are first needed."""
+(:data:`gpudiag.checks.fields.LIMITS`); anything else is one
+:class:`~gpudiag.errors.InputError` naming the field (exit 2). The fields of each check are
+its registry entry's (``config_fields``, ``required``). Nothing here imports torch until a
+check's fields are first needed."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
-from gpudiag.checks.suite import MACHINE_FILE
+from gpudiag.checks import registry
+from gpudiag.checks.fields import LIMITS, RESULT_LISTS, result_problem
+from gpudiag.checks.registry import MACHINE_FILE
 from gpudiag.errors import InputError
 from gpudiag.repro.bundle import Bundle
 
-#: Bounds on what a bundle may ask replay to run (a bundle is someone else's input).
-LIMITS = {
-    "world_size": 64,
-    "steps": 10_000,
-    "batch_size": 65_536,
-    "num_classes": 100_000,
-    "input_elements": 1 << 24,  # per sample: the product of input_shape
-    "inject": 64,
-    "peer_size": 1 << 30,  # bytes per copy
-}
+__all__ = ["LIMITS", "check_configs"]
 
 
 def check_configs(bundle: Bundle) -> None:
@@ -30,9 +22,10 @@ def check_configs(bundle: Bundle) -> None:
     :class:`InputError` naming the field (``checks[3].config.world_size``)."""
     for i, check in enumerate(bundle.document["checks"]):
         name, config = check["name"], check.get("config")
-        fields = _FIELDS[name]
+        entry = registry.get(name)
+        fields = entry.config_fields()
         if isinstance(config, dict):
-            for key in _REQUIRED.get(name, ()):
+            for key in entry.required:
                 if key not in config:
                     raise InputError(f"{bundle.path}: checks[{i}].config.{key}: missing (a {name} needs it)")
             for key, value in config.items():
@@ -46,238 +39,7 @@ def check_configs(bundle: Bundle) -> None:
                 if key == "machine" and value is not None and MACHINE_FILE not in bundle.files:
                     raise InputError(f"{bundle.path}: {where} names {MACHINE_FILE}, which the bundle lacks")
         result = check.get("result")
-        if isinstance(result, dict) and name in _RESULT_LISTS:
-            problem = _result_problem(name, result)
+        if isinstance(result, dict) and name in RESULT_LISTS:
+            problem = result_problem(name, result)
             if problem:
                 raise InputError(f"{bundle.path}: checks[{i}].result.{problem}")
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _integer(low: int, high: int) -> Any:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            return f"{_describe(value)} is not an integer (expected {low} to {high})"
-        if not low <= value <= high:
-            return f"{value} is out of range (expected {low} to {high})"
-        return None
-
-    return check
-
-
-def _one_of(*choices: str) -> Any:
-    def check(value: Any) -> str | None:
-        if value not in choices:
-            return f"{_describe(value)} is not one of {', '.join(choices)}"
-        return None
-
-    return check
-
-
-def _number(value: Any) -> str | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return None if ok else f"{_describe(value)} is not a finite number"
-
-
-def _flag(value: Any) -> str | None:
-    return None if isinstance(value, bool) else f"{_describe(value)} is not true or false"
-
-
-def _machine(value: Any) -> str | None:
-    return None if value in (None, MACHINE_FILE) else f"{_describe(value)} is not null or {MACHINE_FILE!r}"
-
-
-def _shape(value: Any) -> str | None:
-    if (
-        not isinstance(value, list)
-        or not 1 <= len(value) <= 8
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value)
-    ):
-        return f"{_describe(value)} is not a list of 1 to 8 positive integers"
-    if math.prod(value) > LIMITS["input_elements"]:
-        return f"{value} holds more than {LIMITS['input_elements']} elements per sample"
-    return None
-
-
-def _strategies(value: Any) -> str | None:
-    choices = ("single", "dp", "ddp")
-    if not isinstance(value, list) or not value or not all(v in choices for v in value):
-        return f"{_describe(value)} is not a list of {', '.join(choices)}"
-    return None
-
-
-def _inject(value: Any) -> str | None:
-    from gpudiag.runtime.faults import InjectSpecError, parse_fault
-
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        return f"{_describe(value)} is not a list of fault specs"
-    if len(value) > LIMITS["inject"]:
-        return f"more than {LIMITS['inject']} fault specs"
-    for spec in value:
-        try:
-            parse_fault(spec)
-        except InjectSpecError as exc:
-            return str(exc).splitlines()[0]
-    return None
-
-
-def _pairs(value: Any) -> str | None:
-    import re
-
-    if not isinstance(value, str) or not re.fullmatch(r"all|\d{1,4}-\d{1,4}(,\d{1,4}-\d{1,4})*", value):
-        return f"{_describe(value)} is not all or A-B,C-D"
-    return None
-
-
-def _sizes(value: Any) -> str | None:
-    from gpudiag.parsers import parse_sizes
-
-    if not isinstance(value, str) or len(value) > 200:
-        return f"{_describe(value)} is not a list of sizes like 4K,1M"
-    try:
-        sizes = parse_sizes(value)
-    except InputError as exc:
-        return str(exc)
-    if max(sizes) > LIMITS["peer_size"] or len(sizes) > 16:
-        return f"{value!r} asks for more than 16 sizes or a copy over {LIMITS['peer_size'] >> 20} MiB"
-    return None
-
-
-def _output(value: Any) -> str | None:
-    ok = value is None or (isinstance(value, (int, str)) and not isinstance(value, bool))
-    return None if ok else f"{_describe(value)} is not null, an index or a name"
-
-
-def _model(value: Any) -> str | None:
-    from gpudiag.models import BUILTINS
-
-    if not isinstance(value, str) or not value or len(value) > 1000:
-        return f"{_describe(value)} is not a model spec"
-    text, _, query = value.partition("?")
-    if text.startswith("torchvision:"):
-        pairs = [part.partition("=") for part in query.split("&")]
-        trained = [
-            key
-            for key, _, raw in pairs
-            if key.strip() in ("weights", "weights_backbone", "pretrained")
-            and raw.strip().lower() not in ("none", "false")
-        ]
-        if trained:
-            return f"{_describe(value)} asks for trained weights, which gpudiag never downloads"
-        return None
-    if text in BUILTINS:
-        return None
-    target, sep, attr = text.rpartition(":")
-    if not sep or not target or not attr.isidentifier():
-        return (
-            f"{_describe(value)} is not a model spec (torchvision:NAME, path/to/file.py:factory, "
-            f"package.module:factory or one of {', '.join(BUILTINS)})"
-        )
-    return None
-
-
-def _input_range(value: Any) -> str | None:
-    """None (standard normal inputs) or [LO, HI] with finite LO < HI."""
-    if value is None:
-        return None
-    numbers = isinstance(value, list) and len(value) == 2
-    numbers = numbers and all(type(v) in (int, float) and math.isfinite(v) for v in value)
-    return None if numbers and value[0] < value[1] else f"{_describe(value)} is not [LO, HI] with LO < HI"
-
-
-def _fields() -> dict[str, dict[str, Any]]:
-    from gpudiag.runtime.config import LOSSES
-
-    model = {
-        "model": _model,
-        "input_shape": _shape,
-        "num_classes": _integer(1, LIMITS["num_classes"]),
-        "batch_size": _integer(1, LIMITS["batch_size"]),
-        "steps": _integer(1, LIMITS["steps"]),
-        "lr": _number,
-        "seed": _integer(0, 2**63 - 1),
-        "inject": _inject,
-        "input_dtype": _one_of("float", "long", "int"),
-        "input_range": _input_range,
-    }
-    return {
-        "env": {},
-        "topology": {"machine": _machine, "source": _one_of("nvml")},
-        "peer": {"machine": _machine, "pairs": _pairs, "inject": _inject, "sizes": _sizes},
-        "gradcheck": {
-            **model,
-            "loss": _one_of(*LOSSES),
-            "strategies": _strategies,
-            "world_size": _integer(1, LIMITS["world_size"]),
-            "optimizer": _one_of("sgd", "adam", "none"),
-            "dtype": _one_of("fp32", "bf16", "fp16"),
-            "mode": _one_of("auto", "as-is", "controlled"),
-            "output": _output,
-            "sync_batchnorm": _flag,
-        },
-        "nancheck": {
-            **model,
-            "machine": _machine,
-            "pairs": _pairs,
-            "strategy": _one_of("dp", "ddp"),
-            "loss": _one_of(*LOSSES),
-        },
-    }
-
-
-#: Fields a check cannot run without (the others have defaults).
-_REQUIRED = {"gradcheck": ("model",)}
-
-
-class _LazyFields(dict[str, dict[str, Any]]):
-    """:func:`_fields`, built on first use (it imports the runtime)."""
-
-    def __missing__(self, name: str) -> dict[str, Any]:
-        self.update(_fields())
-        return dict.__getitem__(self, name)
-
-
-_FIELDS: dict[str, dict[str, Any]] = _LazyFields()
-
-#: The lists of each check's result that replay compares, and the fields of their items.
-_RESULT_LISTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "gradcheck": {"comparisons": ("strategy", "mode", "ok", "rel_norm_err", "norm_ratio")},
-    "nancheck": {
-        "singles": ("device", "status", "first_bad_step"),
-        "pairs": ("a", "b", "status", "first_bad_step"),
-    },
-    "peer": {"pairs": ("src", "dst")},
-    "topology": {"pairs": ("a", "b", "link")},
-}
-
-
-_GPU_FIELDS = ("device", "a", "b", "src", "dst")
-
-
-def _result_problem(name: str, result: dict[str, Any]) -> str | None:
-    """The first field of ``result`` that :func:`compare` could not read, named."""
-    for key, fields in _RESULT_LISTS[name].items():
-        items = result.get(key, [])
-        if not isinstance(items, list):
-            return f"{key} is not a list"
-        for j, item in enumerate(items):
-            if not isinstance(item, dict) or any(f not in item for f in fields):
-                return f"{key}[{j}] lacks one of {', '.join(fields)}"
-            if name == "gradcheck" and not (
-                isinstance(item["strategy"], str)
-                and isinstance(item["mode"], str)
-                and isinstance(item["ok"], bool)
-                and isinstance(item.get("options", {}), dict)
-            ):
-                return f"{key}[{j}]: strategy and mode are strings, ok true or false, options an object"
-            ids = [item[f] for f in fields if f in _GPU_FIELDS]
-            if not all(isinstance(g, int) and not isinstance(g, bool) for g in ids):
-                return f"{key}[{j}]: a GPU number that is not an integer"
-            if name == "peer" and not isinstance(item.get("copies", []), list):
-                return f"{key}[{j}].copies is not a list"
-            if name == "peer" and not all(isinstance(c, dict) for c in item.get("copies", [])):
-                return f"{key}[{j}].copies holds something other than objects"
-    return None

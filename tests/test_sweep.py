@@ -503,21 +503,22 @@ def test_quick_budget_is_a_deadline_phases_that_do_not_fit_are_skipped(
 def test_a_check_still_running_when_the_budget_is_spent_is_stopped_not_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import dataclasses
     import time
 
-    import gpudiag.checks.suite as suite
+    from gpudiag.checks import registry
     from gpudiag.checks.suite import Here
     from gpudiag.repro.sweep.budget import WRITE_RESERVE_S, Budget
     from gpudiag.repro.sweep.node import SweepOptions, _run_checks
 
-    real_peer = suite._RUNNERS["peer"]
+    real_peer = registry.get("peer")
 
     def slow_peer(config: Any, here: Any) -> Any:  # a check that outlasts the budget
-        real_peer(config, here)  # (ranks started, compared, reaped)
+        real_peer.run(config, here)  # (ranks started, compared, reaped)
         time.sleep(30)
         raise AssertionError("never reached")
 
-    monkeypatch.setitem(suite._RUNNERS, "peer", slow_peer)
+    monkeypatch.setitem(registry._REGISTRY, "peer", dataclasses.replace(real_peer, run=slow_peer))
     here = Here.detect(str(_two_gpu_machine(tmp_path)))
     notes: list[str] = []
     budget = Budget(WRITE_RESERVE_S + 1.5)  # alone: 1.5 s for the node's own checks

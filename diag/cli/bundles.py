@@ -29,7 +29,8 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     """Check the inputs, run the checks, write the bundle: the body of report and doctor."""
     import datetime
 
-    from gpudiag.checks.suite import CHECKS, Here
+    from gpudiag.checks.registry import names as check_names
+    from gpudiag.checks.suite import Here
     from gpudiag.models import check_input_range, resolve_model
     from gpudiag.redact import Redactor
     from gpudiag.render import render
@@ -50,7 +51,7 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
         from gpudiag.parsers import parse_pairs
 
         parse_pairs(options["pairs"], here.gpus)
-    names = options["checks"] or CHECKS
+    names = options["checks"] or check_names(suite_only=True)
     report = run_report(
         here,
         names,

@@ -128,15 +128,16 @@ def strategies_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 
 
 def check_names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
-    from gpudiag.checks.suite import CHECKS
+    from gpudiag.checks.registry import names as registered
 
     if value is None:
         return None
+    known = registered()
     names = tuple(n.strip() for n in value.split(",") if n.strip())
-    bad = [n for n in names if n not in CHECKS]
+    bad = [n for n in names if n not in known]
     if bad or not names:
         raise click.BadParameter(
-            f"expected a list of {', '.join(CHECKS)}; got {value!r}", ctx=ctx, param=param
+            f"expected a list of {', '.join(known)}; got {value!r}", ctx=ctx, param=param
         )
     return names
 

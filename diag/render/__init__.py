@@ -14,7 +14,7 @@ import importlib
 import os
 from typing import Any, TextIO
 
-FORMATS = {
+FORMATS: dict[str, tuple[str, ...]] = {
     "topology": ("text", "json", "markdown", "dot"),
     "gradcheck": ("text", "json", "markdown"),
     "nancheck": ("text", "json", "markdown"),
@@ -33,6 +33,32 @@ ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
     **{("bench", fmt): ("bench", fmt) for fmt in FORMATS["bench"]},
     **{(kind, "text"): ("text_suite", kind) for kind in ("report", "doctor", "replay")},
 }
+
+
+def register_kind(kind: str, formats: tuple[str, ...], module: str | None = None) -> None:
+    """Make ``kind`` renderable in ``formats``: by the functions ``text``/``json``/``markdown``
+    … of ``gpudiag.render.<module>``, or, with no module, by :mod:`gpudiag.render.generic`
+    (any :class:`gpudiag.result.CheckResult`). Called by the checks' registry
+    (``gpudiag.checks.registry.register``); a kind renderable already keeps its renderers."""
+    if kind in FORMATS:  # gpudiag's own kinds are known here already: they must agree
+        if FORMATS[kind] != tuple(formats):
+            raise ValueError(f"{kind}: formats {formats} differ from the renderers' {FORMATS[kind]}")
+        return
+    FORMATS[kind] = tuple(formats)
+    for fmt in formats:
+        ELSEWHERE[(kind, fmt)] = (module or "generic", fmt)
+    _REGISTERED.add(kind)
+
+
+def unregister_kind(kind: str) -> None:
+    """Forget a kind :func:`register_kind` added (a test's throwaway check)."""
+    if kind in _REGISTERED:
+        _REGISTERED.discard(kind)
+        for fmt in FORMATS.pop(kind, ()):
+            ELSEWHERE.pop((kind, fmt), None)
+
+
+_REGISTERED: set[str] = set()
 
 
 def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:

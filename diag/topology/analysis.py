@@ -66,6 +66,20 @@ class TopologyReport:
     def advice(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "info"]
 
+    @property
+    def verdict(self) -> str:
+        """``warning`` when a finding is more than advice, else ``pass``."""
+        return "warning" if self.warnings else "pass"
+
+    @property
+    def simulated(self) -> bool:
+        """False: a capture or machine file is read, not simulated."""
+        return False
+
+    def exit_code(self) -> int:
+        """0: the topology is a fact to look at, not a failure (``gpudiag topology`` exits 0)."""
+        return 0
+
     def to_json(self) -> dict[str, Any]:
         """The ``gpudiag.topology/1`` document (see ``docs/topology.md``)."""
         topo = self.topology
