@@ -1,7 +1,8 @@
 """The one extension point for a check: a :class:`Check` entry per check, which the suite
 (``doctor``, ``report``), the CLI's ``--checks``, report bundles, ``replay`` and the
 renderers all read. Adding a check is one :func:`register` call with its entry, plus the
-check's own module(s) (docs/architecture.md, "Adding a check").
+check's own module(s) (docs/architecture.md, "Adding a check"). gpudiag's own checks are
+registered by :mod:`gpudiag.checks.suite`, which every reader of the registry imports first.
 
 An entry names the check and says, as functions the suite calls:
 
@@ -91,7 +92,6 @@ def unregister(name: str) -> None:
 
 def get(name: str) -> Check:
     """The entry of check ``name`` (KeyError names the known ones)."""
-    _builtins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -100,10 +100,4 @@ def get(name: str) -> Check:
 
 def names(suite_only: bool = False) -> tuple[str, ...]:
     """Every registered check in registration order (the order the suite runs them)."""
-    _builtins()
     return tuple(name for name, check in _REGISTRY.items() if check.in_suite or not suite_only)
-
-
-def _builtins() -> None:
-    """gpudiag's own checks register when the suite module is first imported."""
-    import gpudiag.checks.suite  # noqa: F401

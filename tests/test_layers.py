@@ -115,3 +115,53 @@ def test_the_graph_sees_imports_inside_functions(tmp_path: Path) -> None:
         "gpudiag.repro.report",
         "gpudiag.render.sibling",
     }
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other round a circle (strongly connected components of
+    more than one module), however deep the import: each is one way of reading the code
+    that cannot start anywhere."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module → the gpudiag modules it imports (anywhere in its source)."""
+    mods = modules()
+    return {name: imported(name, path, set(mods)) & set(mods) - {name} for name, path in mods.items()}
+
+
+def test_no_two_modules_import_each_other_round_a_circle() -> None:
+    assert module_cycles(module_graph()) == []
+
+
+def test_a_planted_circle_of_modules_is_caught() -> None:
+    graph = module_graph()
+    planted = {**graph, "gpudiag.render.text": graph["gpudiag.render.text"] | {"gpudiag.render.markdown"}}
+    assert any({"gpudiag.render.markdown", "gpudiag.render.text"} <= set(c) for c in module_cycles(planted))

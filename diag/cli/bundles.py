@@ -30,7 +30,7 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     import datetime
 
     from gpudiag.checks.registry import names as check_names
-    from gpudiag.checks.suite import Here
+    from gpudiag.checks.suite import Here  # (registers gpudiag's own checks)
     from gpudiag.models import check_input_range, resolve_model
     from gpudiag.redact import Redactor
     from gpudiag.render import render

@@ -128,6 +128,7 @@ def strategies_list(ctx: click.Context, param: click.Parameter, value: str) -> t
 
 
 def check_names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    import gpudiag.checks.suite  # noqa: F401  (registers gpudiag's own checks)
     from gpudiag.checks.registry import names as registered
 
     if value is None:

@@ -32,6 +32,7 @@ _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "d
 ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
     **{("bench", fmt): ("bench", fmt) for fmt in FORMATS["bench"]},
     **{(kind, "text"): ("text_suite", kind) for kind in ("report", "doctor", "replay")},
+    **{(kind, "markdown"): ("report_markdown", kind) for kind in ("report", "doctor")},
 }
 
 

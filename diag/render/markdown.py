@@ -178,15 +178,6 @@ def env(report: Any, stream: TextIO) -> None:
     stream.write(f"## Environment (gpudiag env)\n\n```\n{text}\n```\n")
 
 
-def report(report: Any, stream: TextIO) -> None:
-    from gpudiag.render.report_markdown import report_markdown
-
-    stream.write(report_markdown(report))
-
-
-doctor = report
-
-
 def replay(report: Any, stream: TextIO) -> None:
     from gpudiag.render.text_suite import replay_lines
 

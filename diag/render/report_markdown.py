@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from typing import Any, TextIO
 
 from gpudiag.render.markdown import finding_lines, table
 
@@ -121,3 +121,11 @@ def report_markdown(report: Any) -> str:
     out.append(_details("Configuration of each check", "\n".join(configs)))
     out.append(_details("Files in this bundle", "\n".join(f"- `{name}`" for name in report.file_names())))
     return "\n".join(out).rstrip() + "\n"
+
+
+def report(report: Any, stream: TextIO) -> None:
+    """``report`` / ``doctor --format markdown``: the bundle's REPORT.md."""
+    stream.write(report_markdown(report))
+
+
+doctor = report
