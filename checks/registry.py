@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.errors import GpudiagError
+from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.result import CheckResult
 
 #: The value of a configuration's ``machine`` field that says "on virtual devices laid out
@@ -66,6 +68,41 @@ class Check:
     compare: Callable[[dict[str, Any], dict[str, Any]], list[str]] | None = None
     #: runs in ``doctor`` and ``report`` unless named (False: only with ``--checks NAME``)
     in_suite: bool = True
+
+
+@dataclass
+class Here:
+    """What this machine has: CUDA GPUs torch sees, whether NVML answers, and the machine
+    (a machine file or capture) to lay virtual devices out like, if one was given."""
+
+    cuda_gpus: int
+    nvml: str | None  # None when NVML works, else why not
+    machine: Any = None  # a Topology
+    machine_source: str | None = None
+
+    @property
+    def gpus(self) -> list[int]:
+        """The GPU numbers the checks run on: the machine file's, else torch's CUDA devices."""
+        if self.machine is not None:
+            return sorted(info.index for info in self.machine.gpus.values())
+        return list(range(self.cuda_gpus))
+
+    @classmethod
+    def detect(cls, machine: str | None = None) -> Here:
+        """Look, without failing: torch's device count, one NVML call, the machine file."""
+
+        from gpudiag.hw.nvml import NvmlBackend
+
+        try:
+            with NvmlBackend() as backend:
+                backend.driver_version()
+            nvml = None
+        except GpudiagError as exc:
+            nvml = str(exc)
+        from gpudiag.hw.sources import read_machine_or_capture
+
+        topology = read_machine_or_capture(machine) if machine else None
+        return cls(cuda_device_count(), nvml, topology, machine)
 
 
 _REGISTRY: dict[str, Check] = {}
