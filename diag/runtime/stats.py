@@ -24,18 +24,22 @@ def nonfinite(data: torch.Tensor, witness: torch.Tensor) -> torch.Tensor:
 
 def count_nonfinite(data: torch.Tensor, witness: float) -> int:
     """:func:`nonfinite` for a witness already read back to the host."""
-    if math.isfinite(witness) or not data.is_floating_point():
+    if math.isfinite(witness) or not (data.is_floating_point() or data.is_complex()):
         return 0
     return int((~torch.isfinite(data.detach())).sum())
 
 
 def norm_and_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
-    """``[L2 norm, NaN/Inf count]`` as one float32 tensor on the tensor's device."""
+    """``[L2 norm, NaN/Inf count]`` as one tensor on the tensor's device: float32 for
+    float32 and 16-bit floats (accumulated in float32), float64 for float64, the real
+    dtype of a complex tensor (any dtype a DDP bucket can hold, watched in its own)."""
     data = tensor.detach()
     if data.dtype == torch.float32 and data.dim() == 1 and data.is_contiguous():
         norm = torch.dot(data, data).sqrt()  # BLAS: ~1.5x faster than vector_norm on the CPU
-    else:
+    elif data.is_floating_point() and data.element_size() < 4:
         norm = torch.linalg.vector_norm(data, dtype=torch.float32)
+    else:
+        norm = torch.linalg.vector_norm(data)
     return torch.stack([norm, nonfinite(data, norm)])
 
 
@@ -54,10 +58,11 @@ def norms_and_nonfinite(
     cuda = bool(tensors) and tensors[0].is_cuda
     data = [t.detach() for t in tensors]
     if cuda:
-        parts = [n.float().reshape(1) for n in torch._foreach_norm(data)]
+        parts = [n.reshape(1) for n in torch._foreach_norm(data)]
     else:
         parts = [norm_and_nonfinite(t) for t in data]
-    parts += [k.float().reshape(-1) for k in kept]
+    # read back in float64: a float64 norm past float32's range stays finite
+    parts = [p.double() for p in parts] + [k.double().reshape(-1) for k in kept]
     if not parts:
         return [], []
     device = parts[0].device
@@ -80,10 +85,14 @@ def norms_and_nonfinite(
 
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """A cheap checksum of a tensor: its sum, accumulated in float32 for 16-bit floats and
-    in the tensor's own dtype otherwise (a float64 accumulation costs 3x on the CPU). The
-    same bytes always give the same sum on the same device; any NaN/Inf makes it
-    non-finite (a finite overflow can too — then the exact count says 0)."""
+    in the tensor's own dtype otherwise (a float64 accumulation costs 3x on the CPU); a
+    complex tensor's is the sum of its real and imaginary parts (a real number, so that
+    a change in either part shows). The same bytes always give the same sum on the same
+    device; any NaN/Inf makes it non-finite (a finite overflow can too — then the exact
+    count says 0)."""
     data = tensor.detach()
+    if data.is_complex():
+        data = torch.view_as_real(data)
     if data.is_floating_point() and data.element_size() < 4:
         return torch.sum(data, dtype=torch.float32)
     if not data.is_floating_point() and not data.is_complex():
