@@ -127,7 +127,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.is_complex():
         if a.numel() < 2**24:
             return float(torch.vdot(a.flatten(), b.flatten()).real)
-        return float((a.conj().cdouble() * b.cdouble()).real.sum())
+        return float((a.conj().to(torch.complex128) * b.to(torch.complex128)).real.sum())
     if a.numel() < 2**24:
         return float(torch.dot(a.flatten(), b.flatten()).double())
     return float((a.double() * b.double()).sum())
@@ -135,7 +135,7 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in float64, or complex128 if it is complex (never its real part alone)."""
-    return tensor.cdouble() if tensor.is_complex() else tensor.double()
+    return tensor.to(torch.complex128) if tensor.is_complex() else tensor.double()
 
 
 def norms(tensors: list[torch.Tensor]) -> list[float]:
