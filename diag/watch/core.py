@@ -716,7 +716,7 @@ class Watcher:
         suspects = [
             p for p, v in zip(params, flat[len(flat) - len(params) :], strict=True) if not math.isfinite(v)
         ]
-        bad_grads = [(p, c) for p in suspects if (c := nonfinite_count(p.grad))]  # type: ignore[arg-type]
+        bad_grads = [(p, c) for p in suspects if p.grad is not None and (c := nonfinite_count(p.grad))]
         local = self._diagnose(fwd, out_grads, bad_grads)
         if self.ddp is not None:  # no_sync: agreed on at the next synchronised backward
             if local is not None and self._local is None:
