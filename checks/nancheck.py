@@ -13,6 +13,12 @@ non-finite or corrupted data. Then concludes with one finding:
 - ``loss-explosion``: a pair's loss explodes without non-finite values while singles train;
 - none: pass.
 
+A pair whose run crashed is evidence of nothing about its link or its GPUs (a crash is
+the model, the strategy or gpudiag): it is reported as ``rank-crashed`` and left out of
+the findings above. A DDP crash that asks for ``find_unused_parameters`` is retried with
+it (``unused-parameters``), so that the pair trains and its link is tested; SyncBatchNorm,
+which DDP refuses on CPU virtual devices, cannot run here (exit 3).
+
 On virtual devices (``--machine``) faults come only from ``--inject``; that is how the
 detector is tested and demonstrated without GPUs.
 """
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 
 from gpudiag import defaults as D
+from gpudiag.checks.gradcheck.explain import asks_for_unused, unused_retry_finding
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
@@ -41,6 +48,8 @@ from gpudiag.topology.model import Topology, path_of
 SCHEMA = "gpudiag.nancheck/1"
 #: A loss above this multiple of its first value is an explosion.
 EXPLOSION_FACTOR = 100.0
+#: What torch's DDP raises for SyncBatchNorm on CPU tensors.
+SYNCBN_REFUSED = "SyncBatchNorm layers only work with GPU modules"
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Outcome:
     first_bad_transfer: dict[str, Any] | None = None
     error: str | None = None
     recorder: Any = None  # the runtime's record of the run (for --trace)
+    failure: RankFailure | None = None  # what crashed or hung, with the rank's traceback
 
     @property
     def ok(self) -> bool:
@@ -255,17 +265,25 @@ def nancheck(
         for g in singles_wanted
     ]
     outcomes = []
+    unused: RankFailure | None = None
     for pair in chosen:
         config = replace(
             base, strategy=strategy, devices=make(pair), faults=for_devices(inject, pair, strategy == "ddp")
         )
-        try:
-            outcomes.append(_outcome(pair, _run(model_factory, inputs, targets, config), strategy))
-        except RankFailure as failure:
-            status = "hung" if failure.code == "rank-hung" else "crashed"
-            outcomes.append(Outcome(pair, status, None, [], None, str(failure)))
+        got = _attempt(model_factory, inputs, targets, config)
+        if isinstance(got, RankFailure) and unused is None and asks_for_unused(got):
+            # DDP asks for find_unused_parameters: give it (to this pair and the rest)
+            unused, base = got, replace(base, find_unused_parameters=True)
+            got = _attempt(model_factory, inputs, targets, replace(config, find_unused_parameters=True))
+        if isinstance(got, RankFailure):
+            status = "hung" if got.code == "rank-hung" else "crashed"
+            outcomes.append(Outcome(pair, status, None, [], None, str(got), failure=got))
+        else:
+            outcomes.append(_outcome(pair, got, strategy))
     links = {pair: (machine.cell(f"GPU{pair[0]}", f"GPU{pair[1]}") if machine else None) for pair in chosen}
     findings = conclude(singles, outcomes, links, machine, strategy)
+    if unused is not None:
+        findings.insert(0, unused_retry_finding(strategy, unused))
     verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
     return NancheckReport(
         verdict,
@@ -285,6 +303,20 @@ def nancheck(
             "devices": "virtual" if machine is not None else "cuda",
         },
     )
+
+
+def _attempt(model_factory: Any, inputs: Any, targets: Any, config: RunConfig) -> RunResult | RankFailure:
+    """:func:`_run`, a failing rank returned rather than raised. DDP refusing SyncBatchNorm
+    on CPU virtual devices is not a failure of the pair: it cannot run here (exit 3)."""
+    try:
+        return _run(model_factory, inputs, targets, config)
+    except RankFailure as failure:
+        if config.devices.kind == "virtual" and SYNCBN_REFUSED in failure.detail:
+            raise CannotRunHere(
+                "the model has SyncBatchNorm, which torch's DDP refuses on CPU virtual devices "
+                f"({SYNCBN_REFUSED}): nancheck --strategy ddp needs GPUs for it (--strategy dp runs here)"
+            ) from failure
+        return failure
 
 
 def _run(model_factory: Any, inputs: Any, targets: Any, config: RunConfig) -> RunResult:
@@ -324,9 +356,52 @@ def conclude(
     machine: Topology | None,
     strategy: str,
 ) -> list[Finding]:
-    """One finding from the pattern of failures (see the module docstring)."""
+    """One finding from the pattern of failures (see the module docstring), made from the
+    runs that trained; and a ``rank-crashed`` finding for the pairs that crashed, which
+    say nothing about their links or GPUs."""
+    crashed = [o for o in pairs if o.status == "crashed"]
+    trained = [o for o in pairs if o.status != "crashed"]
+    return _from_training(singles, trained, links, machine, strategy) + _crashes(crashed, strategy)
+
+
+def _crashes(crashed: list[Outcome], strategy: str) -> list[Finding]:
+    """One ``rank-crashed`` finding for the pairs whose runs crashed (the first one's
+    error and traceback; each pair's error in ``errors``), or none."""
+    if not crashed:
+        return []
+    first = crashed[0]
+    names = " ".join(f"({o.devices[0]},{o.devices[1]})" for o in crashed)
+    return [
+        Finding(
+            "rank-crashed",
+            "error",
+            f"{strategy} crashed on pair(s) {names}: {first.error}; a crash is no evidence about a link "
+            "or a GPU, so nothing is concluded from these pairs",
+            {
+                "pairs": [list(o.devices) for o in crashed],
+                "strategy": strategy,
+                "rank": first.failure.rank if first.failure is not None else None,
+                "detail": first.failure.detail if first.failure is not None else "",
+                "errors": [o.error for o in crashed],
+            },
+            cause="the model, its setup under this strategy, or gpudiag: the run raised before it could "
+            "say anything about the pair's link",
+            fix="read the rank's traceback (evidence.detail, or --format json); rerun with the same seed "
+            "to reproduce; gpudiag gradcheck with --strategies single," + strategy + " shows it too",
+        )
+    ]
+
+
+def _from_training(
+    singles: list[Outcome],
+    pairs: list[Outcome],
+    links: dict[tuple[int, ...], str | None],
+    machine: Topology | None,
+    strategy: str,
+) -> list[Finding]:
+    """:func:`conclude` over the runs that trained (every single, the pairs that did not crash)."""
     bad_singles = [o for o in singles if not o.ok]
-    bad_pairs = [o for o in pairs if o.status in ("diverged", "crashed", "hung")]
+    bad_pairs = [o for o in pairs if o.status in ("diverged", "hung")]
     exploded = [o for o in pairs if o.status == "exploded"]
     confirm, fix = _confirm_and_fix(machine)
     if singles and len(bad_singles) == len(singles):

@@ -72,7 +72,10 @@ def compare(
         side = ref_side(ref, names)
     a_list, b_list = [got.grads[n] for n in names], [ref.grads[n] for n in names]
     deltas = list(torch._foreach_sub(a_list, b_list)) if names else []
-    torch._foreach_abs_(deltas)
+    if any(d.is_complex() for d in deltas):  # |a - b| of complex values is real: not in place
+        deltas = list(torch._foreach_abs(deltas))
+    else:
+        torch._foreach_abs_(deltas)
     d_norms, b_norms, a_norms = norms(deltas), side.norms, norms(a_list)
     p_abs = _maxes(deltas)
     torch._foreach_div_(deltas, side.scale)
@@ -84,11 +87,7 @@ def compare(
         names, a_list, b_list, d_norms, b_norms, a_norms, p_abs, p_rel, strict=True
     ):
         sq_delta, sq_ref, sq_got = sq_delta + d_norm**2, sq_ref + b_norm**2, sq_got + a_norm**2
-        dot += (
-            float(torch.dot(a.flatten(), b.flatten()).double())
-            if a.numel() < 2**24
-            else float((a.double() * b.double()).sum())
-        )
+        dot += _dot(a, b)
         max_abs, max_rel = _nan_max(max_abs, abs_err), _nan_max(max_rel, rel_err)
         rel_norm = d_norm / b_norm if b_norm > 0 else (0.0 if d_norm == 0 else math.inf)
         diffs.append(ParamDiff(name, abs_err, rel_err, rel_norm))
@@ -121,6 +120,24 @@ def compare(
     return comparison
 
 
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The real inner product ``Re <a, b>`` (for real tensors the dot product), as the
+    cosine between two gradients needs it: a BLAS dot, or in float64 for a large tensor;
+    complex values as complex (``vdot`` conjugates ``a``), never their real part alone."""
+    if a.is_complex():
+        if a.numel() < 2**24:
+            return float(torch.vdot(a.flatten(), b.flatten()).real)
+        return float((a.conj().to(torch.complex128) * b.to(torch.complex128)).real.sum())
+    if a.numel() < 2**24:
+        return float(torch.dot(a.flatten(), b.flatten()).double())
+    return float((a.double() * b.double()).sum())
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float64, or complex128 if it is complex (never its real part alone)."""
+    return tensor.to(torch.complex128) if tensor.is_complex() else tensor.double()
+
+
 def norms(tensors: list[torch.Tensor]) -> list[float]:
     """The 2-norm of each tensor, in one fused pass, as Python floats. A norm that
     overflows the tensor's dtype (values beyond ~1e19 in fp32) is taken again in float64."""
@@ -128,7 +145,7 @@ def norms(tensors: list[torch.Tensor]) -> list[float]:
         return []
     norms = torch.stack([n.double() for n in torch._foreach_norm(tensors)]).tolist()
     return [
-        float(torch.linalg.vector_norm(t, dtype=torch.float64)) if math.isinf(n) else n
+        float(torch.linalg.vector_norm(_wide(t))) if math.isinf(n) else n
         for t, n in zip(tensors, norms, strict=True)
     ]
 
@@ -153,8 +170,8 @@ def _moved(result: RunResult) -> bool:
 def _update_error(got: RunResult, ref: RunResult, order: list[str]) -> float:
     """Relative norm error of the parameter updates (after K steps minus before)."""
     names = [n for n in order if n in ref.params and n in ref.initial_params]
-    a = torch.cat([(got.params[n] - got.initial_params[n]).double().flatten() for n in names])
-    b = torch.cat([(ref.params[n] - ref.initial_params[n]).double().flatten() for n in names])
+    a = torch.cat([_wide(got.params[n] - got.initial_params[n]).flatten() for n in names])
+    b = torch.cat([_wide(ref.params[n] - ref.initial_params[n]).flatten() for n in names])
     norm = float(b.norm())
     return float((a - b).norm()) / norm if norm > 0 else (0.0 if float(a.norm()) == 0 else math.inf)
 

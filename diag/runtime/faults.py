@@ -173,13 +173,18 @@ class FaultPlan:
 
 
 def corrupt(tensor: Any, fault: Fault) -> Any:
-    """Return a corrupted copy of ``tensor`` (floating point; others are left as they are)."""
+    """Return a corrupted copy of ``tensor`` (floating point or complex, dense or sparse —
+    a sparse one's stored values, a complex one's real and imaginary parts as floats;
+    others are left as they are)."""
     import torch
 
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
         return tensor
-    out = tensor.detach().clone()
-    flat = out.view(-1)
+    out = tensor.detach().coalesce().clone() if tensor.is_sparse else tensor.detach().clone()
+    values = out.values() if out.is_sparse else out  # a sparse tensor's values: a view
+    flat = (torch.view_as_real(values) if values.is_complex() else values).view(-1)
+    if flat.numel() == 0:
+        return out
     if fault.kind == "nan":
         flat[0] = math.nan
     elif fault.kind == "inf":
@@ -189,7 +194,7 @@ def corrupt(tensor: Any, fault: Fault) -> Any:
     elif fault.kind == "scale":
         flat.mul_(fault.factor)
     elif fault.kind == "bitflip":
-        size = out.element_size()
+        size = flat.element_size()
         ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
         bits = flat[:1].view(ints)
         bits ^= 1 << _EXPONENT_BIT[size]

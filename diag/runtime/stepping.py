@@ -165,9 +165,7 @@ class Stepper:
             # Copied only if something may still change them: an update (or a later step).
             copy = self.updates(step)
             self.first_grads = {
-                n: _detached_copy(p.grad) if copy else p.grad.detach().float().cpu()
-                for n, p in self.model.named_parameters()
-                if p.grad is not None
+                n: _grad_copy(p.grad, copy) for n, p in self.model.named_parameters() if p.grad is not None
             }
         optimizer = self.optimizer if self.updates(step) else None
         start = self.timer.mark()
@@ -198,10 +196,25 @@ class Stepper:
         return bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum()))
 
 
-def _detached_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU copy that shares no memory with ``tensor``."""
-    out = tensor.detach().float().cpu()
-    return out.clone() if out.data_ptr() == tensor.data_ptr() else out
+def compared_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient of ``dtype`` is compared in: float32 for float32 and 16-bit
+    floats (their arithmetic's own precision is what the tolerances allow for), its own
+    for float64 and complex (narrowing a float64 gradient loses the digits that tell
+    strategies apart; casting a complex one to a real dtype drops its imaginary part)."""
+    if dtype == torch.float64 or dtype.is_complex:
+        return dtype
+    return torch.float32
+
+
+def _grad_copy(grad: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A gradient as the comparison reads it: dense (a sparse gradient, as
+    ``nn.Embedding(sparse=True)`` gives, summed into its dense form: the gradient a dense
+    embedding would have), on the CPU, in :func:`compared_dtype`; with ``copy``, sharing
+    no memory with ``grad`` (which a later update may change)."""
+    if grad.is_sparse:
+        return grad.detach().to_dense().to(compared_dtype(grad.dtype)).cpu()  # new memory
+    out = grad.detach().to(compared_dtype(grad.dtype)).cpu()
+    return out.clone() if copy and out.data_ptr() == grad.data_ptr() else out
 
 
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from torch import nn
 
 from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.runtime.ddp import HookState, watch_hook
+from gpudiag.runtime.stats import nonfinite_count, stored
 from gpudiag.watch.record import (
     NonFiniteError,
     NonFiniteReport,
@@ -238,6 +239,16 @@ def _bad_count(obj: Any) -> tuple[int, int]:
     return bad, total
 
 
+def _bucket_gradients(bucket: dist.GradBucket) -> list[torch.Tensor]:
+    """The gradients of a DDP bucket's parameters, one per parameter: views into a dense
+    bucket's buffer; a sparse gradient (``nn.Embedding(sparse=True)``) is a bucket of its
+    own, whose buffer is the gradient (``gradients()`` then lists nothing)."""
+    grads = bucket.gradients()
+    if not grads and len(bucket.parameters()) == 1:
+        return [bucket.buffer()]
+    return grads
+
+
 def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One float32 value per gradient, non-finite whenever any of its elements is: the
     norms in one multi-tensor launch on CUDA, sums on the CPU (a sum is the cheapest full
@@ -249,7 +260,9 @@ def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0)
     with torch.no_grad():
         if tensors[0].is_cuda:
-            return torch.stack([n.reshape(()) for n in torch._foreach_norm(tensors)]).float()
+            return torch.stack(
+                [n.reshape(()) for n in torch._foreach_norm([stored(t) for t in tensors])]
+            ).float()
         return _witness(tensors)
 
 
@@ -599,7 +612,7 @@ class Watcher:
         pre = _PreFinalize(params, witness, [(g, _version(g)) for g in grads])
         if not witness.is_cuda:  # on the host already: name the bad ones while they are local
             for p, g, v in zip(params, grads, witness.tolist(), strict=True):
-                if not math.isfinite(v) and (bad := int((~torch.isfinite(g)).sum())):
+                if not math.isfinite(v) and (bad := nonfinite_count(g)):
                     pre.bad.append((p, bad))
         return pre
 
@@ -638,15 +651,15 @@ class Watcher:
         """Before the all-reduce: on the CPU the bucket's norm is on the host already, so
         a non-finite bucket's parameters are named now; on CUDA each gradient's norm is
         kept (one multi-tensor launch) and read only if the step goes bad."""
-        grads = bucket.gradients()
+        grads = _bucket_gradients(bucket)
         if before.is_cuda:
-            norms = torch.stack([n.reshape(()) for n in torch._foreach_norm(grads)])
+            norms = torch.stack([n.reshape(()) for n in torch._foreach_norm([stored(g) for g in grads])])
             self._bucket_norms.append((list(bucket.parameters()), norms))
             return
         if math.isfinite(float(before[0])):
             return
         for param, grad in zip(bucket.parameters(), grads, strict=True):
-            bad = int((~torch.isfinite(grad)).sum())
+            bad = nonfinite_count(grad)
             if bad:
                 name = self.names.get(id(param), "?")
                 self._bad_params.append((len(self._bad_params), name, bad, grad.numel()))
@@ -703,7 +716,7 @@ class Watcher:
         suspects = [
             p for p, v in zip(params, flat[len(flat) - len(params) :], strict=True) if not math.isfinite(v)
         ]
-        bad_grads = [(p, c) for p in suspects if (c := int((~torch.isfinite(p.grad)).sum()))]  # type: ignore[arg-type]
+        bad_grads = [(p, c) for p in suspects if p.grad is not None and (c := nonfinite_count(p.grad))]
         local = self._diagnose(fwd, out_grads, bad_grads)
         if self.ddp is not None:  # no_sync: agreed on at the next synchronised backward
             if local is not None and self._local is None:
@@ -808,7 +821,7 @@ class Watcher:
         """What the all-reduce alone made non-finite here (exact count), or None. Under an
         enabled GradScaler it is an overflow the scaler skips (a compressing comm hook's
         fp16 overflowing is the usual one), noted, not a fault."""
-        bad = sum(int((~torch.isfinite(r)).sum()) for r in results)
+        bad = sum(nonfinite_count(r) for r in results)
         if not bad:
             return None
         total = sum(r.numel() for r in results)
