@@ -60,6 +60,7 @@ class Pair:
     raw: str
     channels: list[int]
     lines: list[int]
+    conns: list[int] = field(default_factory=list)  # connection indexes (`Channel NN/MM`'s MM; 0 when not printed)
     offers: str | None = None  # the topology's cell for the pair, e.g. "NV4", "SYS"
     p2p: str | None = None  # the topology's P2P status for the pair, e.g. "OK", "GNS"
 
@@ -203,6 +204,7 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
                 raw=raws.most_common(1)[0][0],
                 channels=sorted({c.channel for c in conns}),
                 lines=sorted({c.line for c in conns}),
+                conns=sorted({c.conn or 0 for c in conns}),
             )
         )
     pairs.sort(key=lambda p: (p.from_rank, p.to_rank, p.transport))
@@ -367,10 +369,12 @@ def _settings(log: NcclLog) -> list[Finding]:
 
 
 def _mixed(pairs: list[Pair]) -> list[Finding]:
-    """Pairs the topology calls equal (same cell) that went over different classes of transport."""
+    """Pairs the topology calls equal (same cell) that went over different classes of
+    transport, among the ring/tree connections (index 0): send/receive operations
+    (``Channel NN/1``) may take another transport by NCCL's own rules."""
     by_link: dict[str, dict[str, list[Pair]]] = {}
     for p in pairs:
-        if p.offers is None:
+        if p.offers is None or 0 not in p.conns:
             continue
         family = "P2P" if p.transport.startswith("P2P/") else ("NET" if p.transport.startswith("NET/") else p.transport)
         by_link.setdefault(p.offers, {}).setdefault(family, []).append(p)
