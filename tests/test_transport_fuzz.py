@@ -45,7 +45,7 @@ def damaged(draw: st.DrawFn) -> tuple[str, str]:
             continue
         if op == "delete" and text:
             at = draw(st.integers(0, len(text) - 1))
-            if not text[at].isdigit():  # (deleting a digit renames a rank)
+            if not text[at].isalnum():  # (deleting a digit renames a rank, a letter a network)
                 text = text[:at] + text[at + 1 :]
             continue
         if op == "cut" and text:

@@ -60,7 +60,8 @@ class Pair:
     raw: str
     channels: list[int]
     lines: list[int]
-    conns: list[int] = field(default_factory=list)  # connection indexes (`Channel NN/MM`'s MM; 0 when not printed)
+    conns: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # processes that printed its lines  # connection indexes (`Channel NN/MM`'s MM; 0 when not printed)
     offers: str | None = None  # the topology's cell for the pair, e.g. "NV4", "SYS"
     p2p: str | None = None  # the topology's P2P status for the pair, e.g. "OK", "GNS"
 
@@ -205,6 +206,7 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
                 channels=sorted({c.channel for c in conns}),
                 lines=sorted({c.line for c in conns}),
                 conns=sorted({c.conn or 0 for c in conns}),
+                pids=sorted({c.pid for c in conns if c.pid is not None}),
             )
         )
     pairs.sort(key=lambda p: (p.from_rank, p.to_rank, p.transport))
@@ -277,9 +279,15 @@ def _slow_intra(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
         causes.append(f"the driver refuses P2P on these pairs (topology P2P status {p2p_refused[0].p2p}): ACS or the IOMMU")
     causes += [
         "peer access blocked by PCIe ACS or the IOMMU (P2P fails although the link exists)",
-        "the ranks run in separate containers or pods without a shared IPC namespace (no CUDA IPC between them)",
-        "each process sees only its own GPU (CUDA_VISIBLE_DEVICES set per process), so NCCL cannot open the peer",
+        "NCCL_P2P_DISABLE=1 or an NCCL_P2P_LEVEL below the pair's path, set where the log does not show it "
+        "(the environment, /etc/nccl.conf, ~/.nccl.conf)",
     ]
+    one_process = len({pid for p in slow for pid in p.pids}) == 1
+    if not one_process:  # (one process drives all these GPUs: no container or visibility between them)
+        causes += [
+            "the ranks run in separate containers or pods without a shared IPC namespace (no CUDA IPC between them)",
+            "each process sees only its own GPU (CUDA_VISIBLE_DEVICES set per process), so NCCL cannot open the peer",
+        ]
     kinds = sorted({p.transport for p in slow})
     return [
         Finding(
