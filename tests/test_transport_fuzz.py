@@ -25,9 +25,12 @@ PREFIXES = ["12  ", "│ ", "2025-11-12 20:42:20,261 - INFO - ", "[1,0]<stdout>:
 
 
 def facts(log: NcclLog) -> dict[tuple[int, int, str], set[int]]:
+    """(from, to, transport) → channels. A plugin's network name is free text
+    (``NET/AWS Libfabric``): a deleted space is read as written, so names are compared
+    without their spaces."""
     out: dict[tuple[int, int, str], set[int]] = {}
     for conn in log.connections:
-        out.setdefault((conn.from_rank, conn.to_rank, conn.transport), set()).add(conn.channel)
+        out.setdefault((conn.from_rank, conn.to_rank, conn.transport.replace(" ", "")), set()).add(conn.channel)
     return out
 
 

@@ -47,7 +47,7 @@ _GLUED = re.compile(r":\d+:\d+\s+\[\d+\]\s+NCCL\b|\bNCCL\s+(?:INFO|WARN)\b")
 #: Transport texts as NCCL prints them after ``via``.
 _P2P = re.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*)")
 _SHM = re.compile(r"SHM(?:/(?:direct|CE)/(?:direct|CE))?|direct shared memory")
-_NET = re.compile(r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ .-]*?)/(?P<dev>\d+)(?:\(\d+\))?(?P<ext>(?:/(?:GDRDMA|Shared))*)")
+_NET = re.compile(r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*?)/(?P<dev>\d+)(?:\(\d+\))?(?P<ext>(?:/(?:GDRDMA|Shared))*)")
 
 _VERSION = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+)")
 _INIT = re.compile(
