@@ -83,7 +83,11 @@ def test_old_ring_form_with_line_numbers_and_bus_ids() -> None:
     assert len(rep.log.connections) == 11 and len(table) == 11
     assert table[(1, 8, "NET/IB")] == 1 and table[(12, 11, "P2P/IPC")] == 1
     pair = next(p for p in rep.pairs if (p.from_rank, p.to_rank) == (12, 11))
-    assert (pair.from_device, pair.from_busid, pair.to_busid) == (None, "00000000:41:00.0", "00000000:2D:00.0")
+    assert (pair.from_device, pair.from_busid, pair.to_busid) == (
+        None,
+        "00000000:41:00.0",
+        "00000000:2D:00.0",
+    )
     assert rep.unread == [] and rep.exit_code() == 0
 
 
@@ -223,7 +227,10 @@ h:3:4 [2] NCCL INFO Channel 00/0 : 2[2] -> 3[3] via SHM/direct/direct
 
 def test_mixed_transports_on_equal_pairs() -> None:
     """GPU0-GPU1 and GPU2-GPU3 are both NODE on this capture: P2P on one, SHM on the other."""
-    rep = analyze(read_log([(SYNTHETIC_MIXED, "synthetic")]), read_machine_or_capture(str(TOPO / "rtx6000ada_4gpu_node_sys_4nic.txt")))
+    rep = analyze(
+        read_log([(SYNTHETIC_MIXED, "synthetic")]),
+        read_machine_or_capture(str(TOPO / "rtx6000ada_4gpu_node_sys_4nic.txt")),
+    )
     assert codes(rep) == ["nccl-mixed-transports"] and "NODE" in rep.findings[0].message
     assert analyze(read_log([(SYNTHETIC_MIXED, "synthetic")])).findings == []  # (no topology: no claim)
 
@@ -246,7 +253,11 @@ def test_socket_where_ib_devices_are_logged() -> None:
             [1],
         ),
         # a terminal border on both sides and a line number
-        ("│ 12  h:1:2 [0] NCCL INFO Channel 03/0 : 0[0] -> 1[1] via SHM/direct/direct │\n", {(0, 1, "SHM"): 1}, []),
+        (
+            "│ 12  h:1:2 [0] NCCL INFO Channel 03/0 : 0[0] -> 1[1] via SHM/direct/direct │\n",
+            {(0, 1, "SHM"): 1},
+            [],
+        ),
         # a cut last line without a line end: `P2P/IPC` may have been `P2P/IPC/read`
         ("h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC", {}, [1]),
         ("h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read", {(0, 1, "P2P/IPC"): 1}, []),
@@ -254,7 +265,9 @@ def test_socket_where_ib_devices_are_logged() -> None:
         ("h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via MAGIC/1\n", {}, [1]),
     ],
 )
-def test_damaged_lines(damage: str, expect_pairs: dict[tuple[int, int, str], int], unread_lines: list[int]) -> None:
+def test_damaged_lines(
+    damage: str, expect_pairs: dict[tuple[int, int, str], int], unread_lines: list[int]
+) -> None:
     rep = analyze(read_log([(damage, "paste")]))
     assert pair_table(rep) == expect_pairs
     assert [u.line for u in rep.unread] == unread_lines
@@ -264,7 +277,9 @@ def test_json_document() -> None:
     doc = report("nccl429_channel_busid_ib_gdrdma_2hosts.log").to_json()
     assert doc["schema"] == "gpudiag.transport/1" and doc["nccl_version"] is None
     pair = next(p for p in doc["pairs"] if (p["from_rank"], p["to_rank"]) == (7, 14))
-    assert {k: pair[k] for k in ("from_device", "from_busid", "to_busid", "transport", "raw", "channels")} == {
+    assert {
+        k: pair[k] for k in ("from_device", "from_busid", "to_busid", "transport", "raw", "channels")
+    } == {
         "from_device": None,
         "from_busid": "00000000:B2:00.0",
         "to_busid": "00000000:B1:00.0",

@@ -26,7 +26,9 @@ def test_json_document_and_exit_1_on_a_slow_path() -> None:
     doc = json.loads(result.output)
     assert doc["schema"] == "gpudiag.transport/1" and doc["topology"] == "nvidia-smi"
     assert [f["code"] for f in doc["findings"]] == ["nccl-slow-path"]
-    assert {(p["from_rank"], p["to_rank"], p["transport"], p["channels"], p["offers"]) for p in doc["pairs"]} >= {
+    assert {
+        (p["from_rank"], p["to_rank"], p["transport"], p["channels"], p["offers"]) for p in doc["pairs"]
+    } >= {
         (1, 2, "SHM", 2, "NV18"),
         (2, 3, "P2P/direct", 2, "NV18"),
     }
@@ -70,7 +72,9 @@ def test_bad_input_is_exit_2_with_one_line(args: list[str], message: str) -> Non
     assert message in result.output and "Traceback" not in result.output
 
 
-def test_without_a_log_on_fewer_than_two_gpus_is_exit_3_naming_from_log(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_log_on_fewer_than_two_gpus_is_exit_3_naming_from_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr("gpudiag.hw.cuda.cuda_device_count", lambda: 1)
     result = run()
     assert result.exit_code == 3

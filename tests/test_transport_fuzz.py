@@ -30,7 +30,9 @@ def facts(log: NcclLog) -> dict[tuple[int, int, str], set[int]]:
     without their spaces."""
     out: dict[tuple[int, int, str], set[int]] = {}
     for conn in log.connections:
-        out.setdefault((conn.from_rank, conn.to_rank, conn.transport.replace(" ", "")), set()).add(conn.channel)
+        out.setdefault((conn.from_rank, conn.to_rank, conn.transport.replace(" ", "")), set()).add(
+            conn.channel
+        )
     return out
 
 
@@ -40,7 +42,9 @@ def damaged(draw: st.DrawFn) -> tuple[str, str]:
     text = LOGS[name]
     for _ in range(draw(st.integers(1, 5))):
         lines = text.split("\n")
-        op = draw(st.sampled_from(["insert", "delete", "drop", "dup", "join", "split", "prefix", "cut", "swap"]))
+        op = draw(
+            st.sampled_from(["insert", "delete", "drop", "dup", "join", "split", "prefix", "cut", "swap"])
+        )
         i = draw(st.integers(0, max(0, len(lines) - 1)))
         if op == "insert" and text:
             at = draw(st.integers(0, len(text)))

@@ -41,7 +41,18 @@ def rows(report: Any) -> list[list[str]]:
         offers = p.offers or "—"
         if p.offers and p.p2p:
             offers += f" (P2P {p.p2p})"
-        out.append([str(p.from_rank), str(p.to_rank), devices, hosts or "?", p.transport, p.raw, str(len(p.channels)), offers])
+        out.append(
+            [
+                str(p.from_rank),
+                str(p.to_rank),
+                devices,
+                hosts or "?",
+                p.transport,
+                p.raw,
+                str(len(p.channels)),
+                offers,
+            ]
+        )
     return out
 
 
@@ -57,7 +68,10 @@ def _summary(report: Any) -> list[str]:
         + (f"; topology from {report.topology_source}" if report.topology_source else "")
     ]
     if log.hosts:
-        lines.append(f"hosts: {', '.join(log.hosts[:8])}" + (f" and {len(log.hosts) - 8} more" if len(log.hosts) > 8 else ""))
+        lines.append(
+            f"hosts: {', '.join(log.hosts[:8])}"
+            + (f" and {len(log.hosts) - 8} more" if len(log.hosts) > 8 else "")
+        )
     if log.ib_devices:
         lines.append(f"InfiniBand devices: {', '.join(log.ib_devices)}")
     lines += report.host_notes
@@ -94,7 +108,11 @@ def text(report: Any, stream: TextIO) -> None:
         text_findings(out, [f for f in report.findings if f.severity != "info"], "Findings")
         text_findings(out, [f for f in report.findings if f.severity == "info"], "Notes")
         if not any(f.severity != "info" for f in report.findings):
-            out.print("\nNo pair took a slower path than the log and topology show it could." if report.pairs else "")
+            out.print(
+                "\nNo pair took a slower path than the log and topology show it could."
+                if report.pairs
+                else ""
+            )
 
 
 def json(report: Any, stream: TextIO) -> None:
@@ -106,7 +124,12 @@ def markdown(report: Any, stream: TextIO) -> None:
     if report.pairs:
         out += [md.table(HEADER, [[cell.replace("|", "\\|") for cell in row] for row in rows(report)]), ""]
     if report.unread:
-        out += ["### Lines that could not be read", "", *["- " + line.replace("|", "\\|") for line in _unread(report)], ""]
+        out += [
+            "### Lines that could not be read",
+            "",
+            *["- " + line.replace("|", "\\|") for line in _unread(report)],
+            "",
+        ]
     stream.write("\n".join(out) + "\n")
     stream.write(md.findings([f for f in report.findings if f.severity != "info"], "Findings"))
     stream.write(md.findings([f for f in report.findings if f.severity == "info"], "Notes"))

@@ -61,7 +61,9 @@ class Pair:
     channels: list[int]
     lines: list[int]
     conns: list[int] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)  # processes that printed its lines  # connection indexes (`Channel NN/MM`'s MM; 0 when not printed)
+    pids: list[int] = field(
+        default_factory=list
+    )  # processes that printed its lines  # connection indexes (`Channel NN/MM`'s MM; 0 when not printed)
     offers: str | None = None  # the topology's cell for the pair, e.g. "NV4", "SYS"
     p2p: str | None = None  # the topology's P2P status for the pair, e.g. "OK", "GNS"
 
@@ -105,7 +107,9 @@ class TransportReport:
     host_notes: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:
-        return short_repr(self, self.verdict, self.findings, pairs=len(self.pairs), unread=len(self.log.unread))
+        return short_repr(
+            self, self.verdict, self.findings, pairs=len(self.pairs), unread=len(self.log.unread)
+        )
 
     @property
     def verdict(self) -> str:
@@ -210,7 +214,10 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
             )
         )
     pairs.sort(key=lambda p: (p.from_rank, p.to_rank, p.transport))
-    notes = [f"the host name {name!r} stands for more than one machine (anonymised or shared)" for name in sorted(shared)]
+    notes = [
+        f"the host name {name!r} stands for more than one machine (anonymised or shared)"
+        for name in sorted(shared)
+    ]
     return pairs, notes
 
 
@@ -258,7 +265,21 @@ def _env_line(log: NcclLog, names: tuple[str, ...]) -> str | None:
 
 def _evidence(pairs: list[Pair]) -> list[dict[str, Any]]:
     return [
-        {k: p.to_json()[k] for k in ("from_rank", "to_rank", "from_device", "to_device", "from_busid", "to_busid", "transport", "raw", "offers", "p2p")}
+        {
+            k: p.to_json()[k]
+            for k in (
+                "from_rank",
+                "to_rank",
+                "from_device",
+                "to_device",
+                "from_busid",
+                "to_busid",
+                "transport",
+                "raw",
+                "offers",
+                "p2p",
+            )
+        }
         for p in pairs[:16]
     ]
 
@@ -276,7 +297,10 @@ def _slow_intra(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     causes = [f"set in the log: {env}"] if env else []
     p2p_refused = [p for p in slow if p.p2p not in (None, "OK")]
     if p2p_refused:
-        causes.append(f"the driver refuses P2P on these pairs (topology P2P status {p2p_refused[0].p2p}): ACS or the IOMMU")
+        causes.append(
+            f"the driver refuses P2P on these pairs (topology P2P status {p2p_refused[0].p2p}): "
+            "ACS or the IOMMU"
+        )
     causes += [
         "peer access blocked by PCIe ACS or the IOMMU (P2P fails although the link exists)",
         "NCCL_P2P_DISABLE=1 or an NCCL_P2P_LEVEL below the pair's path, set where the log does not show it "
@@ -285,8 +309,10 @@ def _slow_intra(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     one_process = len({pid for p in slow for pid in p.pids}) == 1
     if not one_process:  # (one process drives all these GPUs: no container or visibility between them)
         causes += [
-            "the ranks run in separate containers or pods without a shared IPC namespace (no CUDA IPC between them)",
-            "each process sees only its own GPU (CUDA_VISIBLE_DEVICES set per process), so NCCL cannot open the peer",
+            "the ranks run in separate containers or pods without a shared IPC namespace "
+            "(no CUDA IPC between them)",
+            "each process sees only its own GPU (CUDA_VISIBLE_DEVICES set per process), "
+            "so NCCL cannot open the peer",
         ]
     kinds = sorted({p.transport for p in slow})
     return [
@@ -316,15 +342,18 @@ def _same_host_net(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     env = _env_line(log, ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL"))
     causes = [f"set in the log: {env}"] if env else []
     causes += [
-        "the ranks run in separate containers or pods that each see one GPU (k8s device plugin, docker --gpus device=N)",
-        "P2P and SHM both unusable between the processes (no shared /dev/shm or IPC namespace: docker --ipc=host missing)",
+        "the ranks run in separate containers or pods that each see one GPU "
+        "(k8s device plugin, docker --gpus device=N)",
+        "P2P and SHM both unusable between the processes "
+        "(no shared /dev/shm or IPC namespace: docker --ipc=host missing)",
         "NCCL_P2P_DISABLE=1 together with NCCL_SHM_DISABLE=1 set outside the log",
     ]
+    kinds = "/".join(sorted({p.transport for p in same}))
     return [
         Finding(
             "nccl-same-host-net",
             "warning",
-            f"{len(same)} pair(s) of GPUs on one host talk over the network ({'/'.join(sorted({p.transport for p in same}))}): {_names(same)}",
+            f"{len(same)} pair(s) of GPUs on one host talk over the network ({kinds}): {_names(same)}",
             {"pairs": _evidence(same), "nnodes": list(log.nnodes)},
             cause="; ".join(f"{i}. {c}" for i, c in enumerate(causes, 1)),
             fix="in each rank's container run `nvidia-smi -L` (one GPU each: separate containers) and "
@@ -342,7 +371,8 @@ def _socket_with_ib(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     if "NCCL_NET" in log.env:
         causes.append(f"NCCL_NET={'/'.join(log.env['NCCL_NET'])} in the log")
     causes += [
-        "the ranks that used sockets did not find the IB devices (a container without /dev/infiniband, or a node without them)",
+        "the ranks that used sockets did not find the IB devices "
+        "(a container without /dev/infiniband, or a node without them)",
         "the IB ports are down or have no link layer NCCL can use",
         "NCCL_NET=Socket or NCCL_IB_HCA excluding the devices, set outside the log",
     ]
@@ -371,7 +401,8 @@ def _settings(log: NcclLog) -> list[Finding]:
             f"the log shows settings that choose NCCL's transports: {shown}",
             {"settings": {k: list(v) for k, v in seen.items()}},
             cause="set in the environment of the run (or in /etc/nccl.conf, ~/.nccl.conf)",
-            fix="check whether they are still needed: unset them and compare `gpudiag transport` and the speed",
+            fix="check whether they are still needed: unset them and compare `gpudiag transport` "
+            "and the speed",
         )
     ]
 
@@ -384,7 +415,11 @@ def _mixed(pairs: list[Pair]) -> list[Finding]:
     for p in pairs:
         if p.offers is None or 0 not in p.conns:
             continue
-        family = "P2P" if p.transport.startswith("P2P/") else ("NET" if p.transport.startswith("NET/") else p.transport)
+        family = (
+            "P2P"
+            if p.transport.startswith("P2P/")
+            else ("NET" if p.transport.startswith("NET/") else p.transport)
+        )
         by_link.setdefault(p.offers, {}).setdefault(family, []).append(p)
     out = []
     for link, families in sorted(by_link.items()):
@@ -412,7 +447,8 @@ def _no_pairs(log: NcclLog) -> list[Finding]:
     why = (
         "every communicator in it has one rank, so NCCL connected no pair"
         if single
-        else f"NCCL logs them at INFO level under INIT/P2P/NET: rerun with {SUBSYS_HINT} and a world of 2 or more ranks"
+        else f"NCCL logs them at INFO level under INIT/P2P/NET: rerun with {SUBSYS_HINT} "
+        "and a world of 2 or more ranks"
     )
     return [
         Finding(

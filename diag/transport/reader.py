@@ -40,14 +40,18 @@ _START = re.compile(r"\b(?:Ring|Channel)\s+\d+(?:/\d+)?\s*:\s*\d+(?:\[[0-9a-fA-F
 #: A graph line: numbers (and arrows) only, never a connection.
 _GRAPH = re.compile(r"\b(?:Ring|Channel)\s+\d+(?:/\d+)?\s*:\s*(?:\d+|->|\s)*$")
 #: NCCL's own prefix: ``host:pid:tid [dev] NCCL INFO``.
-_PREFIX = re.compile(r"(?P<host>[^\s:]*):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\]\s+NCCL\s+(?:INFO|WARN)\b")
+_PREFIX = re.compile(
+    r"(?P<host>[^\s:]*):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\]\s+NCCL\s+(?:INFO|WARN)\b"
+)
 #: A second line's prefix glued into a first one.
 _GLUED = re.compile(r":\d+:\d+\s+\[\d+\]\s+NCCL\b|\bNCCL\s+(?:INFO|WARN)\b")
 
 #: Transport texts as NCCL prints them after ``via``.
 _P2P = re.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*)")
 _SHM = re.compile(r"SHM(?:/(?:direct|CE)/(?:direct|CE))?|direct shared memory")
-_NET = re.compile(r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*?)/(?P<dev>\d+)(?:\(\d+\))?(?P<ext>(?:/(?:GDRDMA|Shared))*)")
+_NET = re.compile(
+    r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*?)/(?P<dev>\d+)(?:\(\d+\))?(?P<ext>(?:/(?:GDRDMA|Shared))*)"
+)
 
 _VERSION = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+)")
 _INIT = re.compile(
@@ -233,7 +237,13 @@ def _read_one(log: NcclLog, text: str, name: str | None) -> None:
     filled = [n for n, line in enumerate(lines, 1) if line.strip()]
     if filled and _CUT_PREFIX.match(_strip(lines[filled[-1] - 1])):
         where = f"{name}:{filled[-1]}" if name else str(filled[-1])
-        log.unread.append(Unread(filled[-1], f"line {where}: the log ends inside a line's prefix (cut off)", _strip(lines[filled[-1] - 1])[:160]))
+        log.unread.append(
+            Unread(
+                filled[-1],
+                f"line {where}: the log ends inside a line's prefix (cut off)",
+                _strip(lines[filled[-1] - 1])[:160],
+            )
+        )
     for number, line in enumerate(lines, 1):
         last = ends_cut and number == len(lines)
         where = f"{name}:{number}" if name else str(number)
@@ -243,18 +253,30 @@ def _read_one(log: NcclLog, text: str, name: str | None) -> None:
         segments = _segments(clean)
         if not segments:
             if "via" in clean and re.search(r"\bvia\s+(?:P2P|SHM|NET)/", clean) and not _GRAPH.search(clean):
-                log.unread.append(Unread(number, f"line {where}: a transport without its `Channel N : a -> b` start", clean[:160]))
+                log.unread.append(
+                    Unread(
+                        number,
+                        f"line {where}: a transport without its `Channel N : a -> b` start",
+                        clean[:160],
+                    )
+                )
             continue
         for index, segment in enumerate(segments):  # (several when lines were merged)
             merged = len(segments) > 1 and index < len(segments) - 1
             _read_segment(log, clean, segment, number, where, merged=merged, last=last)
 
 
-def _read_segment(log: NcclLog, line: str, segment: str, number: int, where: str, *, merged: bool, last: bool) -> None:
+def _read_segment(
+    log: NcclLog, line: str, segment: str, number: int, where: str, *, merged: bool, last: bool
+) -> None:
     match = _CONNECTION.search(segment)
     if match is None:
         if not _GRAPH.search(segment):
-            why = "cut off before `via …`" if "via" not in segment else "the pair or its transport cannot be read"
+            why = (
+                "cut off before `via …`"
+                if "via" not in segment
+                else "the pair or its transport cannot be read"
+            )
             log.unread.append(Unread(number, f"line {where}: {why}", segment[:160]))
         return
     via = match["via"]
@@ -268,10 +290,14 @@ def _read_segment(log: NcclLog, line: str, segment: str, number: int, where: str
         log.unread.append(Unread(number, f"line {where}: {why}", segment[:160]))
         return
     if glued is not None and not _complete_transport(raw) and not merged:
-        log.unread.append(Unread(number, f"line {where}: merged with another line right after the transport", segment[:160]))
+        log.unread.append(
+            Unread(number, f"line {where}: merged with another line right after the transport", segment[:160])
+        )
         return
     if last and not _complete_transport(raw):
-        log.unread.append(Unread(number, f"line {where}: the last line has no line end (it may be cut off)", segment[:160]))
+        log.unread.append(
+            Unread(number, f"line {where}: the last line has no line end (it may be cut off)", segment[:160])
+        )
         return
     start = line.find(segment)
     prefix = _prefix_before(line, start if start >= 0 else len(line))
@@ -300,9 +326,8 @@ def _read_segment(log: NcclLog, line: str, segment: str, number: int, where: str
 
 def _read_facts(log: NcclLog, line: str) -> None:
     """Version, settings, IB devices, networks, ranks' Init lines, warnings."""
-    if match := _VERSION.search(line):
-        if match["v"] not in log.versions:
-            log.versions.append(match["v"])
+    if (match := _VERSION.search(line)) and match["v"] not in log.versions:
+        log.versions.append(match["v"])
     prefix = _PREFIX.search(line)
     if prefix is not None and "NCCL INFO" in line:
         _note_host(log, prefix["host"] or None)
@@ -316,17 +341,21 @@ def _read_facts(log: NcclLog, line: str) -> None:
         for dev in _IB_DEVICE.finditer(match["rest"]):
             if dev["dev"] not in log.ib_devices:
                 log.ib_devices.append(dev["dev"])
-    if match := _NETWORK.search(line):
-        if match["name"] not in log.networks:
-            log.networks.append(match["name"])
+    if (match := _NETWORK.search(line)) and match["name"] not in log.networks:
+        log.networks.append(match["name"])
     if match := _INIT.search(line):
         host = (prefix["host"] or None) if prefix is not None else None
-        init = RankInit(int(match["rank"]), int(match["nranks"]), int(match["dev"]), busid_from_nccl(match["busid"]), host)
-        if all((i.rank, i.nranks, i.device, i.busid, i.host) != (init.rank, init.nranks, init.device, init.busid, init.host) for i in log.inits):
+        init = RankInit(
+            int(match["rank"]), int(match["nranks"]), int(match["dev"]), busid_from_nccl(match["busid"]), host
+        )
+        if all(
+            (i.rank, i.nranks, i.device, i.busid, i.host)
+            != (init.rank, init.nranks, init.device, init.busid, init.host)
+            for i in log.inits
+        ):
             log.inits.append(init)
-    if match := _NNODES.search(line):
-        if int(match["nnodes"]) not in log.nnodes:
-            log.nnodes.append(int(match["nnodes"]))
+    if (match := _NNODES.search(line)) and int(match["nnodes"]) not in log.nnodes:
+        log.nnodes.append(int(match["nnodes"]))
     if (match := _WARN.search(line)) and len(log.warnings) < 20 and match["msg"] not in log.warnings:
         log.warnings.append(match["msg"])
 
@@ -335,7 +364,9 @@ def _decide_brackets(log: NcclLog) -> None:
     """Whether the brackets hold devices or bus ids, for the whole log: bus ids when any
     bracket is plainly one (hex letters, or four digits and more), or when the Init lines
     give every bracketed rank a bus id that equals its bracket and a device that does not."""
-    brackets = [(c.from_rank, c.from_bracket) for c in log.connections] + [(c.to_rank, c.to_bracket) for c in log.connections]
+    brackets = [(c.from_rank, c.from_bracket) for c in log.connections] + [
+        (c.to_rank, c.to_bracket) for c in log.connections
+    ]
     texts = [b for _, b in brackets if b is not None]
     if any(len(b) >= 4 or not b.isdigit() for b in texts):
         log.bracket_kind = "busid"

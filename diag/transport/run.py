@@ -31,7 +31,9 @@ def read_log_file(path: str) -> tuple[str, str]:
         except OSError as exc:
             raise InputError(f"cannot read {path}: {exc.strerror}") from exc
     if len(data) > MAX_LOG_BYTES:
-        raise InputError(f"{name}: larger than {MAX_LOG_BYTES >> 20} MiB; give the part with the `NCCL INFO` lines")
+        raise InputError(
+            f"{name}: larger than {MAX_LOG_BYTES >> 20} MiB; give the part with the `NCCL INFO` lines"
+        )
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         return data.decode("utf-16", "replace"), name
     if b"\x00" in data[:65536]:
