@@ -79,3 +79,15 @@ def test_without_a_log_on_fewer_than_two_gpus_is_exit_3_naming_from_log(
     result = run()
     assert result.exit_code == 3
     assert "--from-log" in result.output and "has 1" in result.output
+
+
+@pytest.mark.multi_gpu
+def test_live_run_reads_its_own_nccl_log() -> None:
+    """On two GPUs or more: NCCL's own connection lines are read into a pair per ring
+    hop, every pair on this host, none over the network."""
+    result = run("--format", "json")
+    assert result.exit_code in (0, 1), result.output
+    doc = json.loads(result.output)
+    assert doc["nccl_version"] is not None and doc["pairs"], doc
+    assert all(not p["transport"].startswith("NET/") for p in doc["pairs"])
+    assert len(doc["hosts"]) == 1

@@ -32,11 +32,11 @@ def transport(ctx: click.Context, from_log: tuple[str, ...], machine: str | None
 
     if not from_log:
         from gpudiag.hw.cuda import cuda_device_count
-
-        refuse_live(cuda_device_count())
         from gpudiag.transport.live import live_report
 
-        result = live_report(machine)
+        gpus = cuda_device_count()
+        refuse_live(gpus)
+        result = live_report(machine, gpus)
     else:
         result = transport_report(list(from_log), machine)
     render("transport", result, fmt, sys.stdout)
