@@ -288,3 +288,20 @@ def test_json_document() -> None:
         "channels": 1,
     }
     assert doc["unread"] == [{"line": 15, "why": doc["unread"][0]["why"], "text": "Channel 04 : 5[89000] ->"}]
+
+
+def test_terminal_borders_and_padding() -> None:
+    rep = report("nccl733_terminal_borders_ib.log")
+    assert pair_table(rep) == {
+        (2, 6, "NET/IB"): 1,
+        (4, 6, "NET/IB"): 1,
+        (6, 2, "NET/IB"): 1,
+        (6, 4, "NET/IB"): 1,
+    }
+    six = next(p for p in rep.pairs if p.from_rank == 6 and p.to_rank == 2)
+    assert (six.from_busid, six.raw, six.from_host) == (
+        "00000000:0E:00.0",
+        "NET/IB/0/GDRDMA",
+        "task-7703-j5hpd",
+    )
+    assert rep.unread == [] and rep.findings == []
