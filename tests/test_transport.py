@@ -287,7 +287,9 @@ def test_json_document() -> None:
         "raw": "NET/IB/0/GDRDMA",
         "channels": 1,
     }
-    assert doc["unread"] == [{"line": 15, "why": doc["unread"][0]["why"], "text": "Channel 04 : 5[89000] ->"}]
+    assert doc["unread"] == [
+        {"line": 15, "source": None, "why": "cut off before `via …`", "text": "Channel 04 : 5[89000] ->"}
+    ]
 
 
 def test_terminal_borders_and_padding() -> None:

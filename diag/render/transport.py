@@ -80,7 +80,7 @@ def _summary(report: Any) -> list[str]:
 
 def _unread(report: Any) -> list[str]:
     items = report.unread
-    out = [f"line {u.why.removeprefix('line ')} — {u.text}" for u in items[:UNREAD_SHOWN]]
+    out = [str(u) for u in items[:UNREAD_SHOWN]]
     if len(items) > UNREAD_SHOWN:
         out.append(f"and {len(items) - UNREAD_SHOWN} more")
     return out

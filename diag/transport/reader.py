@@ -103,15 +103,20 @@ class Connection:
 
 @dataclass(frozen=True)
 class Unread:
-    """A line that looked like a connection but could not be read: ``line`` (1-based),
-    ``why`` in words, and the start of its ``text``."""
+    """A line that looked like a connection but could not be read: ``line`` (1-based,
+    in log ``source``), ``why`` in words, and the start of its ``text``."""
 
     line: int
     why: str
     text: str
+    source: str | None = None  # the log's name when several were read
 
     def to_json(self) -> dict[str, object]:
-        return {"line": self.line, "why": self.why, "text": self.text}
+        return {"line": self.line, "source": self.source, "why": self.why, "text": self.text}
+
+    def __str__(self) -> str:
+        where = f"{self.source}, line {self.line}" if self.source else f"line {self.line}"
+        return f"{where}: {self.why} — {self.text}"
 
 
 @dataclass
@@ -236,17 +241,16 @@ def _read_one(log: NcclLog, text: str, name: str | None) -> None:
     log.lines += len(lines)
     filled = [n for n, line in enumerate(lines, 1) if line.strip()]
     if filled and _CUT_PREFIX.match(_strip(lines[filled[-1] - 1])):
-        where = f"{name}:{filled[-1]}" if name else str(filled[-1])
         log.unread.append(
             Unread(
                 filled[-1],
-                f"line {where}: the log ends inside a line's prefix (cut off)",
+                "the log ends inside a line's prefix (cut off)",
                 _strip(lines[filled[-1] - 1])[:160],
+                name,
             )
         )
     for number, line in enumerate(lines, 1):
         last = ends_cut and number == len(lines)
-        where = f"{name}:{number}" if name else str(number)
         clean = _strip(line)
         nccl = "NCCL" in clean
         log.nccl_lines += nccl
@@ -258,8 +262,9 @@ def _read_one(log: NcclLog, text: str, name: str | None) -> None:
                 log.unread.append(
                     Unread(
                         number,
-                        f"line {where}: a transport without its `Channel N : a -> b` start",
+                        "a transport without its `Channel N : a -> b` start",
                         clean[:160],
+                        name,
                     )
                 )
             continue
@@ -268,7 +273,7 @@ def _read_one(log: NcclLog, text: str, name: str | None) -> None:
             if len(segments) > 1:
                 start = clean.find(segment)
                 prefix = _prefix_before(clean, start if start >= 0 else len(clean))
-            _read_segment(log, segment, prefix, number, where, merged=merged, last=last)
+            _read_segment(log, segment, prefix, number, name, merged=merged, last=last)
 
 
 def _read_segment(
@@ -276,7 +281,7 @@ def _read_segment(
     segment: str,
     prefix: re.Match[str] | None,
     number: int,
-    where: str,
+    name: str | None,
     *,
     merged: bool,
     last: bool,
@@ -289,7 +294,7 @@ def _read_segment(
                 if "via" not in segment
                 else "the pair or its transport cannot be read"
             )
-            log.unread.append(Unread(number, f"line {where}: {why}", segment[:160]))
+            log.unread.append(Unread(number, why, segment[:160], name))
         return
     via = match["via"]
     glued = _GLUED.search(via)
@@ -299,16 +304,16 @@ def _read_segment(
     family = transport_family(raw)
     if family is None:
         why = "merged with another line" if (merged or glued) else f"unknown or cut transport {raw[:40]!r}"
-        log.unread.append(Unread(number, f"line {where}: {why}", segment[:160]))
+        log.unread.append(Unread(number, why, segment[:160], name))
         return
     if glued is not None and not _complete_transport(raw) and not merged:
         log.unread.append(
-            Unread(number, f"line {where}: merged with another line right after the transport", segment[:160])
+            Unread(number, "merged with another line right after the transport", segment[:160], name)
         )
         return
     if last and not _complete_transport(raw):
         log.unread.append(
-            Unread(number, f"line {where}: the last line has no line end (it may be cut off)", segment[:160])
+            Unread(number, "the last line has no line end (it may be cut off)", segment[:160], name)
         )
         return
     host = (prefix["host"] or None) if prefix is not None else None
