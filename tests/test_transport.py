@@ -307,3 +307,29 @@ def test_terminal_borders_and_padding() -> None:
         "task-7703-j5hpd",
     )
     assert rep.unread == [] and rep.findings == []
+
+
+def test_a_setting_names_the_pairs_on_the_path_it_leaves() -> None:
+    """Synthetic: NCCL's own `set by environment` line with P2P disabled, and SHM used."""
+    text = (
+        "h:1:2 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1.\n"
+        "h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct\n"
+    )
+    rep = analyze(read_log([(text, "synthetic")]))
+    (note,) = rep.findings
+    assert note.code == "nccl-transport-setting" and note.severity == "info"
+    assert "NCCL_P2P_DISABLE=1" in note.message and "0->1" in note.message
+    assert rep.exit_code() == 0
+
+
+def test_a_setting_in_the_log_is_the_first_cause_of_a_slow_path() -> None:
+    """Synthetic two-line log on a real NV18 capture: P2P disabled by the environment."""
+    text = (
+        "h:1:2 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1.\n"
+        "h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct\n"
+    )
+    topo = read_machine_or_capture(str(TOPO / "h100_8gpu_nv18_8nic_spaces.txt"))
+    rep = analyze(read_log([(text, "synthetic")]), topo)
+    slow = next(f for f in rep.findings if f.code == "nccl-slow-path")
+    assert (slow.cause or "").startswith("1. set in the log: NCCL_P2P_DISABLE=1")
+    assert rep.exit_code() == 1

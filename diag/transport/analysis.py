@@ -389,17 +389,29 @@ def _socket_with_ib(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     ]
 
 
-def _settings(log: NcclLog) -> list[Finding]:
+def _settings(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
+    """A note naming the transport settings the log shows, and the pairs that took the
+    path such a setting leaves (SHM or NET on one host with P2P off or limited, sockets
+    with IB off); a warning only comes from the topology (``nccl-slow-path``)."""
     seen = {name: log.env[name] for name in TRANSPORT_SETTINGS if name in log.env}
     if not seen:
         return []
     shown = ", ".join(f"{name}={'/'.join(values)}" for name, values in seen.items())
+    p2p_off = any(v not in ("0", "") for v in seen.get("NCCL_P2P_DISABLE", [])) or "NCCL_P2P_LEVEL" in seen
+    ib_off = any(v not in ("0", "") for v in seen.get("NCCL_IB_DISABLE", []))
+    fallback = [
+        p
+        for p in pairs
+        if (p2p_off and (p.transport == "SHM" or (p.transport.startswith("NET/") and p.same_host is True)))
+        or (ib_off and p.transport == "NET/Socket")
+    ]
+    tail = f"; pairs on the path it leaves: {_names(fallback)}" if fallback else ""
     return [
         Finding(
             "nccl-transport-setting",
             "info",
-            f"the log shows settings that choose NCCL's transports: {shown}",
-            {"settings": {k: list(v) for k, v in seen.items()}},
+            f"the log shows settings that choose NCCL's transports: {shown}{tail}",
+            {"settings": {k: list(v) for k, v in seen.items()}, "pairs": _evidence(fallback)},
             cause="set in the environment of the run (or in /etc/nccl.conf, ~/.nccl.conf)",
             fix="check whether they are still needed: unset them and compare `gpudiag transport` "
             "and the speed",
@@ -470,7 +482,7 @@ def analyze(log: NcclLog, topology: Topology | None = None) -> TransportReport:
         *_same_host_net(log, pairs),
         *_socket_with_ib(log, pairs),
         *_mixed(pairs),
-        *_settings(log),
+        *_settings(log, pairs),
         *_no_pairs(log),
     ]
     return TransportReport(

@@ -49,6 +49,8 @@ _GLUED = re.compile(r":\d+:\d+\s+\[\d+\]\s+NCCL\b|\bNCCL\s+(?:INFO|WARN)\b")
 #: Transport texts as NCCL prints them after ``via``.
 _P2P = re.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*)")
 _SHM = re.compile(r"SHM(?:/(?:direct|CE)/(?:direct|CE))?|direct shared memory")
+#: SHM with modes this reader has not seen printed (still shared memory; never "complete").
+_SHM_OTHER = re.compile(r"SHM(?:/[A-Za-z]+){1,2}")
 _NET = re.compile(
     r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*?)/(?P<dev>\d+)(?:\(\d+\))?(?P<ext>(?:/(?:GDRDMA|Shared))*)"
 )
@@ -163,7 +165,7 @@ def transport_family(raw: str) -> str | None:
     text = raw.strip()
     if match := _P2P.fullmatch(text):
         return "P2P/direct" if match["mode"] == "direct pointer" else f"P2P/{match['mode']}"
-    if _SHM.fullmatch(text):
+    if _SHM.fullmatch(text) or _SHM_OTHER.fullmatch(text):
         return "SHM"
     if match := _NET.fullmatch(text):
         name = match["name"]
@@ -176,7 +178,7 @@ def transport_family(raw: str) -> str | None:
 def _complete_transport(raw: str) -> bool:
     """True when ``raw`` cannot be the start of a longer transport text (so a line cut
     right after it still says the whole of it)."""
-    return raw.endswith(("/read", "/CE", "/GDRDMA", "/Shared")) or transport_family(raw) == "SHM"
+    return raw.endswith(("/read", "/CE", "/GDRDMA", "/Shared")) or _SHM.fullmatch(raw) is not None
 
 
 def busid_from_nccl(text: str) -> str | None:
