@@ -333,3 +333,18 @@ def test_a_setting_in_the_log_is_the_first_cause_of_a_slow_path() -> None:
     slow = next(f for f in rep.findings if f.code == "nccl-slow-path")
     assert (slow.cause or "").startswith("1. set in the log: NCCL_P2P_DISABLE=1")
     assert rep.exit_code() == 1
+
+
+def test_bus_ids_are_placed_on_the_machine_by_bus_id() -> None:
+    """Synthetic bus-id log (NCCL 2.5-2.11 form) on the seed machine, its first two GPUs
+    given bus ids: the pair is found by bus id, not by the rank or the order."""
+    topo = read_machine_or_capture("seed_8gpu_machine.json")
+    topo.gpus["GPU3"].pci_bus_id = "00000000:1B:00.0"
+    topo.gpus["GPU2"].pci_bus_id = "00000000:1C:00.0"
+    text = "h:1:2 [0] NCCL INFO Channel 00 : 0[1b000] -> 1[1c000] via SHM/direct/direct\n"
+    rep = analyze(read_log([(text, "synthetic")]), topo)
+    (pair,) = rep.pairs
+    assert (pair.from_busid, pair.offers) == ("00000000:1B:00.0", "NV4")
+    assert codes(rep) == ["nccl-slow-path"]
+    unknown = analyze(read_log([(text.replace("1c000", "9c000"), "synthetic")]), topo)
+    assert unknown.pairs[0].offers is None and unknown.findings == []
