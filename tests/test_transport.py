@@ -348,3 +348,29 @@ def test_bus_ids_are_placed_on_the_machine_by_bus_id() -> None:
     assert codes(rep) == ["nccl-slow-path"]
     unknown = analyze(read_log([(text.replace("1c000", "9c000"), "synthetic")]), topo)
     assert unknown.pairs[0].offers is None and unknown.findings == []
+
+
+def test_one_process_connecting_its_own_gpus_over_ib() -> None:
+    """NVIDIA/nccl#707: one host, one process, four GPUs joined over NET/IB."""
+    rep = report("nccl707_one_host_one_process_ib_between_own_gpus.log")
+    assert pair_table(rep) == {
+        (0, 1, "NET/IB"): 1,
+        (0, 2, "NET/IB"): 1,
+        (2, 0, "NET/IB"): 1,
+        (2, 1, "NET/IB"): 1,
+        (2, 3, "NET/IB"): 1,
+        (3, 0, "NET/IB"): 1,
+        (3, 2, "NET/IB"): 1,
+    }
+    assert codes(rep) == ["nccl-same-host-net"] and rep.exit_code() == 1
+    cause = rep.findings[0].cause or ""
+    assert "one process drives these GPUs" in cause and "containers or pods" not in cause
+    assert [u.line for u in rep.unread] == [13]
+
+
+def test_direct_pointer_read_and_ib_without_gdr_across_hosts() -> None:
+    rep = report("nccl629_direct_pointer_read_ib_no_gdr_2hosts.log")
+    table = pair_table(rep)
+    assert table[(3, 2, "P2P/direct")] == 4 and table[(9, 0, "NET/IB")] == 1
+    assert next(p.raw for p in rep.pairs if p.from_rank == 9) == "NET/IB/1"
+    assert rep.findings == [] and [u.line for u in rep.unread] == [14]

@@ -341,13 +341,19 @@ def _same_host_net(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
         return []
     env = _env_line(log, ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL"))
     causes = [f"set in the log: {env}"] if env else []
-    causes += [
-        "the ranks run in separate containers or pods that each see one GPU "
-        "(k8s device plugin, docker --gpus device=N)",
-        "P2P and SHM both unusable between the processes "
-        "(no shared /dev/shm or IPC namespace: docker --ipc=host missing)",
-        "NCCL_P2P_DISABLE=1 together with NCCL_SHM_DISABLE=1 set outside the log",
-    ]
+    if len({pid for p in same for pid in p.pids}) == 1:  # (one process: no container between the GPUs)
+        causes.append(
+            "NCCL_P2P_DISABLE=1 (or NCCL_P2P_LEVEL=LOC) together with NCCL_SHM_DISABLE=1, set where the "
+            "log does not show them: one process drives these GPUs, so nothing else keeps P2P from them"
+        )
+    else:
+        causes += [
+            "the ranks run in separate containers or pods that each see one GPU "
+            "(k8s device plugin, docker --gpus device=N)",
+            "P2P and SHM both unusable between the processes "
+            "(no shared /dev/shm or IPC namespace: docker --ipc=host missing)",
+            "NCCL_P2P_DISABLE=1 together with NCCL_SHM_DISABLE=1 set outside the log",
+        ]
     kinds = "/".join(sorted({p.transport for p in same}))
     return [
         Finding(
