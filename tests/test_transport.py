@@ -285,7 +285,7 @@ def test_json_document() -> None:
         "to_busid": "00000000:B1:00.0",
         "transport": "NET/IB",
         "raw": "NET/IB/0/GDRDMA",
-        "channels": 1,
+        "channels": [3],
     }
     assert doc["unread"] == [
         {"line": 15, "source": None, "why": "cut off before `via …`", "text": "Channel 04 : 5[89000] ->"}

@@ -28,7 +28,7 @@ def test_json_document_and_exit_1_on_a_slow_path() -> None:
     assert doc["schema"] == "gpudiag.transport/1" and doc["topology"] == "nvidia-smi"
     assert [f["code"] for f in doc["findings"]] == ["nccl-slow-path"]
     assert {
-        (p["from_rank"], p["to_rank"], p["transport"], p["channels"], p["offers"]) for p in doc["pairs"]
+        (p["from_rank"], p["to_rank"], p["transport"], p["channel_count"], p["offers"]) for p in doc["pairs"]
     } >= {
         (1, 2, "SHM", 2, "NV18"),
         (2, 3, "P2P/direct", 2, "NV18"),

@@ -1,5 +1,7 @@
 """Real NCCL flight-recorder dumps and NCCL_DEBUG=INFO log on one GPU (world size 1)."""
+
 import os, sys, torch, torch.distributed as dist
+
 out = sys.argv[1]
 dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
 r = dist.get_rank()
