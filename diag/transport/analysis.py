@@ -463,7 +463,8 @@ def _no_pairs(log: NcclLog) -> list[Finding]:
         return []
     single = bool(log.nranks) and max(log.nranks) == 1
     why = (
-        "every communicator in it has one rank, so NCCL connected no pair"
+        f"every communicator in it has one rank, so NCCL connected no pair (a run of 2 or more "
+        f"ranks with {SUBSYS_HINT} logs them)"
         if single
         else f"NCCL logs them at INFO level under INIT/P2P/NET: rerun with {SUBSYS_HINT} "
         "and a world of 2 or more ranks"
