@@ -1,0 +1,66 @@
+"""``gpudiag transport`` as a function: read the logs (bounded), the topology if asked,
+and analyse; or refuse to run NCCL where fewer than two GPUs are."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from gpudiag.errors import CannotRunHere, InputError
+from gpudiag.transport.analysis import TransportReport, analyze
+from gpudiag.transport.reader import read_log
+
+#: The largest log read (256 MiB; a 100,000-line INFO log of 64 ranks is about 15 MB).
+MAX_LOG_BYTES = 256 << 20
+
+
+def read_log_file(path: str) -> tuple[str, str]:
+    """(text, display name) of a log; ``-`` is standard input. UTF-8 (bad bytes
+    replaced) or UTF-16 with its byte-order mark, as Windows shells redirect."""
+    if path == "-":
+        data, name = sys.stdin.buffer.read(MAX_LOG_BYTES + 1), "<stdin>"
+    else:
+        name = Path(path).name
+        try:
+            with open(path, "rb") as stream:
+                data = stream.read(MAX_LOG_BYTES + 1)
+        except FileNotFoundError as exc:
+            raise InputError(f"{path} does not exist") from exc
+        except IsADirectoryError as exc:
+            raise InputError(f"{path} is a folder, not an NCCL log") from exc
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    if len(data) > MAX_LOG_BYTES:
+        raise InputError(
+            f"{name}: larger than {MAX_LOG_BYTES >> 20} MiB; give the part with the `NCCL INFO` lines"
+        )
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return data.decode("utf-16", "replace"), name
+    if b"\x00" in data[:65536]:
+        raise InputError(f"{name}: not a text file")
+    return data.decode("utf-8", "replace"), name
+
+
+def transport_report(logs: list[str], machine: str | None = None) -> TransportReport:
+    """The pairs and findings of one or more ``NCCL_DEBUG=INFO`` logs, with the topology
+    of ``machine`` (a capture or machine file) beside them when given."""
+    texts = [read_log_file(path) for path in logs]
+    log = read_log(texts)
+    if not log.connections and log.nccl_lines == 0:
+        names = ", ".join(name for _, name in texts)
+        raise InputError(f"{names}: no NCCL line in it (expected the output of a run with NCCL_DEBUG=INFO)")
+    topology = None
+    if machine is not None:
+        from gpudiag.hw.sources import read_machine_or_capture
+
+        topology = read_machine_or_capture(machine)
+    return analyze(log, topology)
+
+
+def refuse_live(gpus: int) -> None:
+    """Raise :class:`CannotRunHere` (exit 3) when fewer than two GPUs can be used."""
+    if gpus < 2:
+        raise CannotRunHere(
+            f"gpudiag transport runs NCCL between two or more GPUs and this machine has {gpus}; "
+            "give a saved NCCL_DEBUG=INFO log with --from-log FILE"
+        )
