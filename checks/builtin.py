@@ -207,6 +207,29 @@ def _nancheck_headline(report: Any) -> str:
     return headline + (" on CPU virtual devices, not the GPUs" if report.simulated else "")
 
 
+def _plan_transport(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    if here.machine is None and here.cuda_gpus >= 2:
+        return {}, ""
+    why = "fewer than 2 CUDA GPUs here" if here.machine is None else "a machine file cannot run NCCL"
+    return None, f"{why}; read a saved NCCL_DEBUG=INFO log: gpudiag transport --from-log FILE"
+
+
+def _run_transport(config: dict[str, Any], here: Here) -> CheckResult:
+    from gpudiag.transport.live import live_report
+    from gpudiag.transport.run import refuse_live
+
+    refuse_live(here.cuda_gpus)
+    report: CheckResult = live_report(None, here.cuda_gpus)
+    return report
+
+
+def _transport_headline(report: Any) -> str:
+    families = sorted({pair.transport for pair in report.pairs})
+    return f"{len(report.pairs)} pair(s) read from NCCL's log" + (
+        f": {', '.join(families)}" if families else ""
+    )
+
+
 def _warns(findings: list[Finding]) -> bool:
     return any(f.severity == "warning" for f in findings)
 
@@ -287,5 +310,15 @@ registry.register(
         _nancheck_headline,
         config_fields=_fields("nancheck"),
         compare=_compare("nancheck"),
+    )
+)
+registry.register(
+    Check(
+        "transport",
+        "the path NCCL chose for every GPU pair (P2P, SHM, NET) and whether it should have",
+        _plan_transport,
+        _run_transport,
+        _transport_headline,
+        compare=_compare("transport"),
     )
 )

@@ -92,7 +92,17 @@ def _topology_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
     return _differing(links(there), links(here), str)
 
 
+def _transport_numbers(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """The transport of each directed pair."""
+
+    def paths(doc: dict[str, Any]) -> dict[str, Any]:
+        return {f"pair {p['from_rank']}->{p['to_rank']}": p["transport"] for p in doc.get("pairs", [])}
+
+    return _differing(paths(there), paths(here), str)
+
+
 NUMBERS = {
+    "transport": _transport_numbers,
     "gradcheck": _gradcheck_numbers,
     "nancheck": _nancheck_numbers,
     "peer": _peer_numbers,

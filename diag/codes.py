@@ -24,6 +24,7 @@ SECTIONS = {
     "gradients": "Gradients (`gpudiag gradcheck`)",
     "nancheck": "Where training breaks (`gpudiag nancheck`)",
     "peer": "Peer-to-peer paths (`gpudiag peer`)",
+    "transport": "NCCL's transports (`gpudiag transport`)",
     "environment": "Environment (`gpudiag env`, `report`, `doctor`)",
     "bench": "Training speed (`gpudiag bench`)",
     "sweep": "A cluster, node by node (`gpudiag sweep`)",
@@ -126,6 +127,13 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
     ("iommu-enabled", "warning", "peer", "an IOMMU translates device DMA"),
     ("acs-redirect", "warning", "peer", "PCIe ACS redirects peer requests through the root complex"),
     ("nccl-env-override", "info", "peer", "NCCL settings that change how GPUs talk are set"),
+    # transport
+    ("nccl-slow-path", "warning", "transport", "an NVLink/PIX/PXB pair went over SHM or the network"),
+    ("nccl-same-host-net", "warning", "transport", "two GPUs of one host talk over the network"),
+    ("nccl-socket-with-ib", "warning", "transport", "NET/Socket used although InfiniBand devices are logged"),
+    ("nccl-mixed-transports", "warning", "transport", "pairs the topology calls equal took different paths"),
+    ("nccl-transport-setting", "info", "transport", "a setting that chooses NCCL's transports is in the log"),
+    ("nccl-no-transport-lines", "info", "transport", "the log has no transport line to read"),
     # environment
     ("weights-only-load-off", "warning", "environment", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set"),
     # bench

@@ -124,8 +124,25 @@ def test_the_generic_renderers_show_any_check_result(coin: Check) -> None:
 def test_gpudiags_own_checks_are_registered_with_the_renderers_formats() -> None:
     from gpudiag.render import FORMATS
 
-    assert registry.names(suite_only=True) == ("env", "topology", "peer", "gradcheck", "nancheck")
+    assert registry.names(suite_only=True) == (
+        "env",
+        "topology",
+        "peer",
+        "gradcheck",
+        "nancheck",
+        "transport",
+    )
     for name in registry.names():
         assert FORMATS[name] == registry.get(name).formats, name
     with pytest.raises(ValueError, match="registered already"):
         registry.register(Check("env", "again", _plan, _run))
+
+
+def test_transport_came_in_through_the_registry(no_gpu: None) -> None:
+    """Issue 34's check, added as one entry: doctor lists it, and without two GPUs says why
+    it skipped and what reads a saved log instead."""
+    done = CliRunner().invoke(cli, ["doctor", "--checks", "transport", "--no-bundle", "--format", "json"])
+    assert done.exit_code == 0, done.output
+    (run,) = json.loads(done.stdout)["checks"]
+    assert run["name"] == "transport" and run["status"] == "skipped"
+    assert "gpudiag transport --from-log FILE" in run["headline"]

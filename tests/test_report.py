@@ -369,6 +369,7 @@ def test_doctor_without_gpus(tmp_path: Path) -> None:
         "peer": "skipped",  # issue 17: it said pass with no GPU to test
         "gradcheck": "pass",
         "nancheck": "skipped",
+        "transport": "skipped",
     }
     assert all(set(c) >= {"name", "status", "findings"} for c in doc["checks"])
     peer = next(c for c in doc["checks"] if c["name"] == "peer")
@@ -378,7 +379,7 @@ def test_doctor_without_gpus(tmp_path: Path) -> None:
     text = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "c")])
     assert text.exit_code == 0
     assert "gpudiag doctor --machine topo.txt" in text.stdout and "Skipped" in text.stdout
-    assert "[4/5] gradcheck: pass" in text.stderr
+    assert "[4/6] gradcheck: pass" in text.stderr
     rows = {line.split()[0]: line for line in text.stdout.splitlines() if line.startswith(" ")}
     assert "pass (simulated)" in rows["gradcheck"] and "skipped" in rows["peer"]
     assert "Simulated: gradcheck ran on CPU virtual devices, not on GPUs" in text.stdout

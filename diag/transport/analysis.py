@@ -116,6 +116,11 @@ class TransportReport:
         return "slow-path" if self.exit_code() == EXIT_PROBLEM else ("no-pairs" if not self.pairs else "ok")
 
     @property
+    def simulated(self) -> bool:
+        """False: a log is what NCCL did, read, not a simulation."""
+        return False
+
+    @property
     def unread(self) -> list[Unread]:
         return self.log.unread
 
