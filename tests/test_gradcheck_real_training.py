@@ -15,12 +15,17 @@ from torch.utils.checkpoint import checkpoint
 
 from gpudiag.checks.gradcheck import GradcheckReport, gradcheck
 from gpudiag.checks.gradcheck.trainmode import probe
+from gpudiag.runtime.devices import DeviceSet
+from gpudiag.runtime.dp import dp_forward
+from gpudiag.runtime.transport import Transport
 
 X = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
 
 
 def check(factory: Callable[[], nn.Module], **options: object) -> GradcheckReport:
+    """On CPU virtual devices on every machine: what is tested is the simulation."""
+    options.setdefault("devices", DeviceSet.virtual(2))
     return gradcheck(factory, options.pop("inputs", X), options.pop("targets", Y), **options)  # type: ignore[arg-type]
 
 
@@ -59,7 +64,9 @@ def checkpointed_reentrant() -> nn.Module:
 
 
 @pytest.mark.parametrize("factory", [checkpointed, checkpointed_reentrant])
-def test_activation_checkpointing_with_dropout_is_explained_as_dropout(factory: Callable[[], nn.Module]) -> None:
+def test_activation_checkpointing_with_dropout_is_explained_as_dropout(
+    factory: Callable[[], nn.Module],
+) -> None:
     # Before: non-reentrant raised CheckpointError in controlled mode (exit 2, "the model
     # under single raised"); reentrant compared the controlled forward's gradients with a
     # recompute that drew real masks (FAIL, mismatch-unexplained).
@@ -113,7 +120,8 @@ class FunctionalBatchNorm(nn.Module):
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.batch_norm(self.conv(x), self.running_mean, self.running_var, self.weight, self.bias, training=True)
+        stats = self.running_mean, self.running_var
+        h = F.batch_norm(self.conv(x), *stats, self.weight, self.bias, training=True)
         return self.head(torch.relu(h).mean((2, 3)))
 
 
@@ -137,8 +145,11 @@ def test_functional_batch_norm_is_explained_as_nn_batchnorm_is() -> None:
     assert functional.train_mode["batch_statistics"] == [
         {"module": "", "class": "FunctionalBatchNorm", "what": "batch statistics"}
     ]
-    as_is = {c.strategy: c.rel_norm_err for c in functional.comparisons if c.mode == "as-is"}
-    assert as_is == pytest.approx({c.strategy: c.rel_norm_err for c in module.comparisons if c.mode == "as-is"})
+
+    def as_is(report: GradcheckReport) -> dict[str, float]:
+        return {c.strategy: c.rel_norm_err for c in report.comparisons if c.mode == "as-is"}
+
+    assert as_is(functional) == pytest.approx(as_is(module))
 
 
 def test_instance_norm_is_not_batch_statistics() -> None:
@@ -201,10 +212,6 @@ def test_dataparallel_replicas_draw_from_their_own_generators() -> None:
     assert codes(report) == ["dropout-active"], report.summary()
     # Each device's generator starts where torch.manual_seed leaves every GPU: alike, so
     # both replicas of an even split draw the same mask (the first rows of single's).
-    from gpudiag.runtime.devices import DeviceSet
-    from gpudiag.runtime.dp import dp_forward
-    from gpudiag.runtime.transport import Transport
-
     masks = nn.Dropout(0.5)
     torch.manual_seed(0)
     out = dp_forward(masks, (torch.ones(8, 16),), {}, Transport(DeviceSet.virtual(2)))

@@ -176,7 +176,8 @@ def _batch_statistics(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     schema = getattr(func, "_schema", None)
     for i, argument in enumerate(schema.arguments if schema is not None else ()):
         if argument.name == "training":
-            training = bool(kwargs["training"] if "training" in kwargs else args[i] if i < len(args) else True)
+            value = kwargs["training"] if "training" in kwargs else args[i] if i < len(args) else True
+            training = bool(value)
     source = args[0] if args else kwargs.get("input")
     return training and isinstance(source, torch.Tensor) and source.dim() > 0 and source.size(0) > 1
 
