@@ -282,6 +282,24 @@ def _retry_unused(check: _Check, outcome: Outcome, mode: str) -> RankFailure | N
     return None
 
 
+def _strategies_in_error(findings: list[Finding]) -> tuple[set[str], bool]:
+    """The strategies an error belongs to (a crashed or hung run, non-finite gradients,
+    diverged DDP ranks), whose differences are not explained — the other strategies' still
+    are; and whether an error belongs to no one strategy (then nothing is explained)."""
+    failed: set[str] = set()
+    stop = False
+    for f in findings:
+        if f.severity != "error":
+            continue
+        if f.code == "ranks-diverged":
+            failed.add("ddp")
+        elif isinstance(f.evidence.get("strategy"), str):
+            failed.add(f.evidence["strategy"])
+        else:
+            stop = True
+    return failed, stop
+
+
 def _differing(comparisons: list[Comparison]) -> list[Comparison]:
     """Comparisons outside tolerance (finite), less those a later retry with an option
     (find_unused_parameters) answered."""
@@ -299,8 +317,9 @@ def _differing(comparisons: list[Comparison]) -> list[Comparison]:
 
 def _explain(check: _Check, first: str, outcome: Outcome, virtual: bool) -> None:
     """Step 4 and 5: attribute every difference, or leave it unexplained."""
-    left = _differing(check.comparisons)
-    if not left or has_errors(check.findings):
+    failed, stop = _strategies_in_error(check.findings)
+    left = [c for c in _differing(check.comparisons) if c.strategy not in failed]
+    if not left or stop:
         return
     possible: dict[str, list[str]] = {}
     mode_now = first
@@ -323,8 +342,10 @@ def _explain(check: _Check, first: str, outcome: Outcome, virtual: bool) -> None
             ]
             again = check.comparer.all(controlled, "controlled")
             check.comparisons += again
-            if controlled.failures:
-                return
+            if controlled.failures:  # the strategies that ran are still explained
+                applicable = [c for c in applicable if c.strategy not in controlled.failures]
+                if not applicable:
+                    return
             by_strategy = {c.strategy: c for c in again}
             confirmed = [c for c in applicable if by_strategy.get(c.strategy) and by_strategy[c.strategy].ok]
             if confirmed:

@@ -6,7 +6,9 @@ train-mode behaviour:
 - **batch statistics**: a BatchNorm module in train mode normalises with the statistics
   of the batch it sees, so each replica's sub-batch gives other numbers than the whole
   batch (every ``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm,
-  the lazy ones);
+  the lazy ones), and so does a batch-norm op in training mode called without a module
+  (``F.batch_norm(..., training=True)``: aten ``native_batch_norm`` and its kin over a
+  batch of more than one sample; instance norm, which runs it over a batch of one, is not);
 - **random draws in forward**: dropout of every kind, attention dropout, stochastic depth /
   drop path, RReLU, noise injection, random masking — any aten op torch tags
   ``nondeterministic_seeded`` (``bernoulli_``, ``native_dropout``, ``rrelu_with_noise``,
@@ -19,13 +21,21 @@ while its forward runs, every random draw torch offers replaced by its expected 
 dropout (``F.dropout``, ``dropout1d/2d/3d``, alpha dropout, the dropout inside
 ``F.multi_head_attention_forward``, ``F.scaled_dot_product_attention`` and between RNN
 layers) becomes the identity, RReLU uses its mean slope, ``bernoulli(p)`` gives ``p``,
-``rand``/``uniform_`` the middle of their range, ``randn``/``normal_`` the mean. That is
+``rand``/``uniform_`` the middle of their range, ``randn``/``normal_`` the mean, and
+``F.batch_norm`` given running statistics normalises with them (``training=False``). That is
 what eval mode does for dropout, RReLU and stochastic depth, but gradients still flow
 and every other train-mode switch (auxiliary heads, a model's own ``if self.training``)
 stays as it is. Draws that have no expected value of their kind (``randint``,
 ``randperm``, ``multinomial``, …) are left, and the RNG is re-seeded at the start of every
 forward so that every replica draws from the same state. Whatever still draws is
 reported by :func:`probe` with ``controlled=True``.
+
+Activation checkpointing (``torch.utils.checkpoint``, either flavour; Hugging Face
+``gradient_checkpointing_enable()``) runs parts of the forward again during backward. The
+controlled model enters the controlled form in every module's forward, so the recompute
+draws as the forward did (the expected value) — otherwise it would draw real masks:
+torch's ``CheckpointError`` (non-reentrant) or gradients of another forward (reentrant).
+A draw written in the checkpointed function itself, outside any module, is not covered.
 """
 
 from __future__ import annotations
@@ -112,6 +122,8 @@ def probe(model: nn.Module, inputs: Any, *, controlled: bool = False, seed: int 
         for handle in handles:
             handle.remove()
     classes = {n: type(m).__name__ for m, n in paths.items()}
+    for where in draws.batch_statistics:  # batch-norm ops without a BatchNorm module
+        batch_stats.setdefault(where, Site(where, classes.get(where, "?"), "batch statistics"))
     random = {(where, op): Site(where, classes.get(where, "?"), op) for where, op in draws.found}
     return TrainModeSites(tuple(batch_stats.values()), tuple(random.values()))
 
@@ -120,20 +132,54 @@ def probe(model: nn.Module, inputs: Any, *, controlled: bool = False, seed: int 
 _NO_EFFECT = {"p": 0.0, "dropout_p": 0.0, "train": False, "training": False}
 
 
+#: aten batch-norm ops; those with a ``training`` argument normalise with batch statistics
+#: when it is true, ``_batch_norm_with_update`` always.
+_BATCH_NORM_OPS = frozenset(
+    {
+        "batch_norm",
+        "_batch_norm_impl_index",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_batch_norm_with_update",
+        "cudnn_batch_norm",
+        "miopen_batch_norm",
+    }
+)
+
+
 class _SeededDraws(TorchDispatchMode):
     """Records (module, op) for every aten op tagged ``nondeterministic_seeded`` that runs
-    with an effect (an attention kernel with ``dropout_p=0`` draws nothing)."""
+    with an effect (an attention kernel with ``dropout_p=0`` draws nothing), and the
+    module of every batch-norm op that normalises with batch statistics."""
 
     def __init__(self, where: Callable[[], str]):
         super().__init__()
         self.where = where
         self.found: list[tuple[str, str]] = []
+        self.batch_statistics: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             self.found.append((self.where(), str(func.overloadpacket.__name__)))
+        elif _batch_statistics(func, args, kwargs):
+            self.batch_statistics.append(self.where())
         return func(*args, **kwargs)
+
+
+def _batch_statistics(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """A batch-norm op in training mode over more than one sample (instance norm runs it
+    on the batch viewed as one sample: statistics per sample, nothing shared)."""
+    if str(func.overloadpacket.__name__) not in _BATCH_NORM_OPS:
+        return False
+    training = True
+    schema = getattr(func, "_schema", None)
+    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == "training":
+            value = kwargs["training"] if "training" in kwargs else args[i] if i < len(args) else True
+            training = bool(value)
+    source = args[0] if args else kwargs.get("input")
+    return training and isinstance(source, torch.Tensor) and source.dim() > 0 and source.size(0) > 1
 
 
 def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
@@ -157,23 +203,37 @@ def neutralise(model: nn.Module, seed: int) -> nn.Module:
     """``model`` in controlled form (in place; returned): BatchNorm modules in eval mode,
     and hooks on the model that run each forward under :class:`ExpectedDraws` after
     ``torch.manual_seed(seed)`` (the CPU and every CUDA generator). The hooks are the
-    model's own, so DataParallel replicas and DDP's wrapped module run them too."""
+    model's own, so DataParallel replicas and DDP's wrapped module run them too.
+
+    Every submodule gets the hooks too (without the re-seeding): activation
+    checkpointing runs modules again during backward, outside the model's forward, and
+    torch does not carry a function mode into backward — so a module run there enters
+    :class:`ExpectedDraws` itself, and the recompute draws what the forward drew."""
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.eval()
-    modes: list[ExpectedDraws] = []
+    modes: list[ExpectedDraws | None] = []  # per running forward: the mode it entered
 
     def enter(_module: nn.Module, _args: Any) -> None:
-        torch.manual_seed(seed)
+        if any(m is not None for m in modes):
+            modes.append(None)  # inside a forward already under the mode
+            return
         modes.append(ExpectedDraws())
-        modes[-1].__enter__()
+        modes[-1].__enter__()  # type: ignore[union-attr]
+
+    def enter_model(module: nn.Module, args: Any) -> None:
+        torch.manual_seed(seed)
+        enter(module, args)
 
     def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
         if modes:
-            modes.pop().__exit__(None, None, None)
+            mode = modes.pop()
+            if mode is not None:
+                mode.__exit__(None, None, None)
 
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave, always_call=True)
+    for module in model.modules():
+        module.register_forward_pre_hook(enter_model if module is model else enter)
+        module.register_forward_hook(leave, always_call=True)
     return model
 
 
@@ -216,6 +276,24 @@ def _at(index: int, name: str, value: Any) -> Callable[[Any, tuple[Any, ...], di
         return func(*args, **kwargs)
 
     return rewrite
+
+
+def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.batch_norm`` given running statistics: normalise with them (as in eval mode);
+    without them there is nothing else to normalise with, and it runs as it is."""
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    given = bound.arguments
+    if given.get("running_mean") is not None and given.get("running_var") is not None:
+        given["training"] = False
+    return func(*bound.args, **bound.kwargs)
+
+
+def _torch_batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.batch_norm(input, weight, bias, running_mean, running_var, training, …)``:
+    as :func:`_batch_norm`."""
+    if len(args) > 5 and args[3] is not None and args[4] is not None:
+        args = (*args[:5], False, *args[6:])
+    return func(*args, **kwargs)
 
 
 def _rnn_without_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -311,4 +389,6 @@ _REWRITES: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
     torch.randn_like: _filled(lambda a, k: 0.0),
     torch.Tensor.normal_: _in_place(("mean", "std"), (0.0, 1.0), lambda m, s: m),
     torch.normal: _normal,
+    F.batch_norm: _batch_norm,
+    torch.batch_norm: _torch_batch_norm,
 }

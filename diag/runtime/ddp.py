@@ -198,6 +198,37 @@ def forks(devices: DeviceSet) -> bool:
     return start_method(_backend(devices)) == "fork"
 
 
+class _PlainBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """What a SyncBatchNorm computes without the synchronisation: BatchNorm over the
+    process's own batch, for inputs of any dimension SyncBatchNorm takes."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def plain_batchnorm(module: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """``module`` with every ``SyncBatchNorm`` replaced by plain BatchNorm holding the same
+    parameters and buffers (the reverse of ``convert_sync_batchnorm``), and how many were
+    replaced. For DDP on CPU, where torch's SyncBatchNorm refuses to run."""
+    out, count = module, 0
+    if isinstance(module, torch.nn.SyncBatchNorm):
+        out = _PlainBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
+        if module.affine:
+            out.weight, out.bias = module.weight, module.bias
+        out.running_mean, out.running_var = module.running_mean, module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
+        out.train(module.training)
+        count = 1
+    for name, child in module.named_children():
+        new, n = plain_batchnorm(child)
+        out.add_module(name, new)
+        count += n
+    return out, count
+
+
 class DdpRuns:
     """Runs started by :func:`start_ddp`: ``results()`` waits for them (rank failures
     raise :class:`~gpudiag.runtime.launch.RankFailure`); leaving the ``with`` block
@@ -223,7 +254,7 @@ class DdpRuns:
             buffers=first["buffers"],
             recorder=recorder,
             notes=[sync_batchnorm_note("ddp")]
-            if config.sync_batchnorm and config.devices.kind == "virtual"
+            if config.devices.kind == "virtual" and (config.sync_batchnorm or first.get("plain_batchnorm"))
             else [],
             rank_losses=[r["losses"] for r in ranks],
             rank_digests=[r["digests"] for r in ranks],
@@ -304,6 +335,9 @@ def _train(
     model = build_model(model_fn, config.seed).to(device)
     if config.sync_batchnorm and cuda:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    plain = 0
+    if not cuda:  # the factory's own SyncBatchNorm: torch refuses it on CPU, as --sync-batchnorm is
+        model, plain = plain_batchnorm(model)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if cuda else None,
@@ -363,6 +397,7 @@ def _train(
     send_state = lead and config.keep_state
     return {
         "losses": losses,
+        "plain_batchnorm": plain,
         "digests": digests,
         "grads": stepper.first_grads if lead else {},
         "params": {n: p.detach().cpu().clone() for n, p in module.named_parameters()} if send_state else {},

@@ -10,7 +10,8 @@
    Replica 0 uses the module's own tensors, so BatchNorm running statistics are updated
    only through the replica on the first device; other replicas' updates are dropped;
 3. **parallel apply**: each replica runs on its chunk (``torch.func.functional_call``;
-   sequentially on virtual devices);
+   sequentially on virtual devices, each drawing random numbers from its own generator
+   as each GPU does: see :func:`_own_generator`);
 4. **gather**: outputs are concatenated along dim 0 on the output device (the first);
    0-dim outputs are stacked into a vector, as ``Gather`` does;
 5. backward: each replica's parameter gradients travel back to the first device
@@ -21,7 +22,8 @@ Every copy goes through the :class:`~gpudiag.runtime.transport.Transport`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -159,13 +161,18 @@ def dp_forward(
     phase("replicate", start)
 
     outputs = []
+    virtual = transport.devices.kind == "virtual"
+    if virtual:  # every device starts where the first stands, as torch.manual_seed seeds all GPUs alike
+        first_state = torch.get_rng_state()
+        for i in range(1, count):
+            transport.generators.setdefault(ids[i], first_state)
     for i in range(count):
         start = now()
         transport.replica = ids[i]
         try:
-            outputs.append(
-                pick(torch.func.functional_call(module, states[i], tuple(inputs[i]), kw_inputs[i]))
-            )
+            with _own_generator(transport, ids[i]) if virtual and i else contextlib.nullcontext():
+                output = torch.func.functional_call(module, states[i], tuple(inputs[i]), kw_inputs[i])
+            outputs.append(pick(output))
         finally:
             transport.replica = None
         phase("forward", start, ids[i])
@@ -174,6 +181,24 @@ def dp_forward(
     result = gather(outputs, ids, transport)
     phase("gather", start)
     return result
+
+
+@contextlib.contextmanager
+def _own_generator(transport: Transport, device: int) -> Iterator[None]:
+    """Replica ``device`` draws from its own generator. On GPUs each device has one
+    (``torch.manual_seed`` seeds them all alike), so two replicas of a dropout model draw
+    the same first numbers for their sub-batches — not what single draws for the whole
+    batch. Virtual devices share the CPU generator: drawing from it in turn would hand
+    replica 1 the continuation of replica 0's stream, and DataParallel would match single
+    exactly where real GPUs differ. So the CPU generator is swapped for the device's state
+    (:attr:`Transport.generators`) while its replica runs, and put back after."""
+    first = torch.get_rng_state()
+    torch.set_rng_state(transport.generators[device])
+    try:
+        yield
+    finally:
+        transport.generators[device] = torch.get_rng_state()
+        torch.set_rng_state(first)
 
 
 class VirtualDataParallel(nn.Module):

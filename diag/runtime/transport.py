@@ -31,6 +31,10 @@ class Transport:
         self.replica: int | None = None
         #: bench: dp_forward times its phases on this (a ``timing.PhaseTimer``) when set
         self.timer: Any = None
+        #: dp_forward on virtual devices: the state of each device's own generator (device
+        #: id → ``torch.get_rng_state()``) for every device but the first, which draws
+        #: from the CPU generator itself
+        self.generators: dict[int, torch.Tensor] = {}
 
     def send(
         self, tensor: torch.Tensor, src: int, dst: int, phase: str, back: str | None, name: str = ""
