@@ -78,6 +78,27 @@ def test_ddp_exposed_allreduce_and_the_slowest_rank() -> None:
     assert fast.phases["allreduce"] == pytest.approx(0.2) and fast.allreduce_hidden == pytest.approx(0.2)
 
 
+def test_hidden_allreduce_is_the_overlap_of_intervals_never_more_than_backward() -> None:
+    # Issue 36 #10: buckets queued behind each other overlap in time; their summed durations
+    # (1.42 s "hidden" here) exceeded the 0.6 s backward and the 1.0 s step.
+    events = [
+        *_step(1, 1.0, 0, forward=0.2, backward=0.6),
+        Phase(1, "allreduce", 0.25, 0.75, 0),
+        Phase(1, "allreduce", 0.30, 0.78, 0),
+        Phase(1, "allreduce", 0.35, 0.79, 0),
+        Phase(1, "allreduce", 0.60, 0.80, 0),  # the last bucket ready at 0.6
+    ]
+    timed = step_times("ddp", events, warmup=0)
+    assert timed.phases["allreduce"] == pytest.approx(0.2)  # 0.6 → 0.8
+    assert timed.allreduce_hidden == pytest.approx(0.35)  # 0.25 → 0.6, inside backward (0.2 → 0.8)
+    assert timed.allreduce_hidden <= 0.6
+    case = Case("ddp", 2, "fp32", 64, 32, steps=timed.steps, phases=timed.phases)
+    case.allreduce_hidden = timed.allreduce_hidden
+    (finding,) = [f for f in explain([case], 64) if f.code == "comm-exposed"]
+    assert finding.evidence["hidden_s"] == pytest.approx(0.35)
+    assert "350.00 ms hidden" in finding.message
+
+
 def test_plan_states_both_batch_conventions() -> None:
     assert plan(["single", "dp"], [2, 4], ["fp32"], 8, "per_gpu") == [
         ("single", 1, "fp32", 8),
@@ -160,6 +181,21 @@ def test_comm_exposed_names_the_link() -> None:
     finding = explain([slow], 64)[0]
     assert finding.code == "comm-exposed" and "SYS" in finding.message
     assert explain([_case("ddp", 2, step=0.1, allreduce=0.01)], 64) == []
+
+
+def test_the_hidden_line_sits_in_its_ddp_block_under_the_allreduce_row() -> None:
+    """Issue 36 #12: printed after the last case's phases, it read as that case's."""
+    ddp = _case("ddp", 2, step=0.1, allreduce=0.03)
+    ddp.allreduce_hidden = 0.004
+    single = _case(step=0.1)
+    text = io.StringIO()
+    render("bench", _result(ddp, single), "text", text)
+    lines = text.getvalue().splitlines()
+    hidden = [i for i, line in enumerate(lines) if "hidden under backward" in line]
+    assert len(hidden) == 1
+    assert lines[hidden[0] - 1].lstrip().startswith("allreduce")
+    assert "ddp ×2 fp32: 4.00 ms" in lines[hidden[0]]
+    assert hidden[0] < next(i for i, line in enumerate(lines) if line.startswith("single ×1 fp32"))
 
 
 # --- compare -----------------------------------------------------------------------------
