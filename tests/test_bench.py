@@ -351,6 +351,18 @@ def test_input_bound_fires_above_its_share_and_explains_poor_scaling() -> None:
     assert explain([_case(step=0.1, data=0.005)], 64, 2) == []
 
 
+def test_input_bound_never_advises_more_workers_than_cores() -> None:
+    """Issue 36 #12: on 2 cores, ddp ×2 with 2 workers each was told "num_workers=3 … at
+    most the cores per training process" (1 core each)."""
+    waiting = _case("ddp", 2, per_gpu=8, step=0.02, data=0.008)
+    (tight,) = explain([waiting], 2, 2)
+    assert "num_workers" not in (tight.fix or "") and "more workers would not help" in (tight.fix or "")
+    (roomy,) = explain([waiting], 16, 2)  # 8 cores per process: 4 workers fit
+    assert "num_workers=4" in (roomy.fix or "") and "--data loader:4" in (roomy.fix or "")
+    (capped,) = explain([waiting], 8, 2)  # 4 cores per process: 3 workers beside the process
+    assert "num_workers=3" in (capped.fix or "")
+
+
 def test_dp_memory_imbalance_needs_a_heavier_first_gpu() -> None:
     case = _case("dp", 2, step=0.1)
     case.devices = [0, 1]

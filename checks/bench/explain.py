@@ -69,7 +69,6 @@ def _input_bound(case: Case, workers: int | None, cores: int) -> list[Finding]:
     if share <= INPUT_BOUND_SHARE:
         return []
     processes = case.gpus if case.strategy == "ddp" else 1
-    more = max(workers + 1, min(2 * max(workers, 1), max(1, cores // processes)))
     return [
         Finding(
             "input-bound",
@@ -80,11 +79,32 @@ def _input_bound(case: Case, workers: int | None, cores: int) -> list[Finding]:
             _evidence(case, share=round(share, 4), data_s=case.phases["data"], workers=workers, cores=cores),
             cause="the input pipeline (reading, decoding, augmenting, collating on the CPU) produces "
             "batches more slowly than the devices consume them, so the devices idle",
-            fix=f"give the DataLoader more workers (num_workers={more}; here --data loader:{more}; at most "
-            "the cores per training process), pin_memory=True and persistent_workers=True, lighter or "
-            "GPU-side augmentation, a faster storage format; --data synthetic shows the devices' ceiling",
+            fix=_input_fix(workers, cores, processes),
         )
     ]
+
+
+def _input_fix(workers: int, cores: int, processes: int) -> str:
+    """More DataLoader workers when the cores allow them (at most the cores per training
+    process, counting the process itself), else the CPU is the limit: say so, never advise
+    more workers than there are cores."""
+    per_process = max(1, cores // processes)
+    rest = (
+        "pin_memory=True and persistent_workers=True, lighter or GPU-side augmentation, a faster "
+        "storage format; --data synthetic shows the devices' ceiling"
+    )
+    if workers + 1 < per_process:
+        more = min(2 * max(workers, 1), per_process - 1)
+        return (
+            f"give the DataLoader more workers (num_workers={more}, here --data loader:{more}: this host has "
+            f"{cores} cores for {processes} training process{'es' if processes != 1 else ''}, "
+            f"{per_process} each with the process itself), {rest}"
+        )
+    return (
+        f"more workers would not help here: {processes} training process{'es' if processes != 1 else ''} "
+        f"with {workers} worker{'s' if workers != 1 else ''} each already use this host's {cores} "
+        f"core{'s' if cores != 1 else ''}; a host with more cores per GPU, {rest}"
+    )
 
 
 def _memory_imbalance(case: Case) -> list[Finding]:
