@@ -237,6 +237,67 @@ def test_compare_files_round_trip_and_bad_input(tmp_path) -> None:  # type: igno
     assert runner.invoke(cli, ["bench", "--compare", str(a), str(b), "--model", "mlp"]).exit_code == 2
 
 
+def test_compare_refuses_a_fifo_without_waiting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #17: ``--compare`` on a FIFO waited forever for a writer."""
+    import os
+    import threading
+
+    good, fifo = tmp_path / "a.json", tmp_path / "fifo"
+    good.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    os.mkfifo(fifo)
+    got: list[object] = []
+    worker = threading.Thread(
+        target=lambda: got.append(CliRunner().invoke(cli, ["bench", "--compare", str(good), str(fifo)]))
+    )
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # the old code blocks in open(): a writer releases it
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("bench --compare waited on a FIFO")
+    (out,) = got
+    assert out.exit_code == 2 and "not a regular file" in out.output  # type: ignore[attr-defined]
+    assert out.exception is None or isinstance(out.exception, SystemExit)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda c: c.update(steps_s=[0.1, float("nan")]),
+        lambda c: c.update(steps_s=[0.1, float("inf")]),
+        lambda c: c.update(steps_s=[0.0, 0.0]),
+        lambda c: c.update(steps_s=[0.1, -0.1]),
+        lambda c: c.update(phases_s={"forward": float("nan")}),
+        lambda c: c.update(allreduce_hidden_s=-1.0),
+        lambda c: c.update(steps_s=[0.1, "1e999"]),
+    ],
+)
+def test_compare_refuses_damaged_figures(tmp_path, damage) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #17: NaN, Inf or zero step times were compared and written as NaN into the
+    comparison's JSON."""
+    good, bad = tmp_path / "a.json", tmp_path / "b.json"
+    good.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    doc = _result(_case(step=0.1)).to_json()
+    damage(doc["cases"][0])
+    text = json.dumps(doc).replace('"1e999"', "1e999")  # a literal that parses to inf
+    bad.write_text(text)
+    out = CliRunner().invoke(cli, ["bench", "--compare", str(good), str(bad), "--format", "json"])
+    assert out.exit_code == 2, out.output
+    assert not out.output.lstrip().startswith("{")  # no comparison written
+    assert "damaged bench result" in out.output or "not JSON" in out.output
+    assert len(out.output.strip().splitlines()) == 1
+
+
+def test_compare_refuses_deeply_nested_json_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #18: "internal error: RecursionError", exit 1."""
+    good, deep = tmp_path / "a.json", tmp_path / "deep.json"
+    good.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    out = CliRunner().invoke(cli, ["bench", "--compare", str(good), str(deep)])
+    assert out.exit_code == 2, out.output
+    assert "nested too deep" in out.output and len(out.output.strip().splitlines()) == 1
+
+
 def test_compare_names_what_makes_two_runs_differ_and_what_failed() -> None:
     before, after = _result(_case(step=0.1), _case("ddp", 2, step=0.1)), _result(_case(step=0.1))
     before.config, after.config = {"model": "mlp", "steps": 3}, {"model": "cnn", "steps": 3}

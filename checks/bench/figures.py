@@ -293,6 +293,25 @@ class Case:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Case:
+        """A case as :meth:`to_json` wrote it; ``ValueError`` for figures no measurement
+        gives (a step time that is not a positive finite number, a phase, hidden all-reduce
+        or speedup that is negative or not finite), so a damaged file is never compared."""
+        case = cls._from_json(data)
+        bad = [s for s in case.steps if not (math.isfinite(s) and s > 0)]
+        if bad:
+            raise ValueError(f"{case.label}: a step time of {bad[0]!r} s (each must be above zero)")
+        if case.gpus < 1 or case.batch < 1:
+            raise ValueError(f"{case.label}: {case.gpus} GPUs, batch {case.batch}")
+        figures: dict[str, Any] = {f"phase {k}": v for k, v in case.phases.items()}
+        figures["allreduce_hidden_s"] = case.allreduce_hidden
+        figures["speedup"] = case.speedup
+        for name, value in figures.items():
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{case.label}: {name} is {value!r}")
+        return case
+
+    @classmethod
+    def _from_json(cls, data: dict[str, Any]) -> Case:
         memory = data.get("peak_memory_bytes")
         return cls(
             strategy=str(data["strategy"]),
