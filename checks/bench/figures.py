@@ -306,7 +306,8 @@ class Case:
         figures["allreduce_hidden_s"] = case.allreduce_hidden
         figures["speedup"] = case.speedup
         for name, value in figures.items():
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            number = isinstance(value, (int, float)) and math.isfinite(value)
+            if value is not None and not (number and value >= 0):
                 raise ValueError(f"{case.label}: {name} is {value!r}")
         return case
 
