@@ -363,6 +363,32 @@ def test_bench_measures_every_strategy_on_virtual_devices() -> None:
     assert repr(result).startswith("<BenchResult")
 
 
+def test_bench_measures_its_own_cost_per_step_and_flags_steps_below_the_floor() -> None:
+    """Issue 36 #11: on millisecond steps bench under-reported samples/s (0.75–0.83× a bare
+    loop on cnn) and said nothing; now its own per-step cost is measured, and steps within 20×
+    of it are named as not trusted."""
+    result = gpudiag.bench(
+        models.flat_mlp,
+        input_shape=(3, 4, 4),
+        num_classes=4,
+        batch_size=4,
+        steps=3,
+        warmup=1,
+        strategies=("single",),
+    )
+    overhead, floor = result.config["step_overhead_s"], result.config["trusted_step_floor_s"]
+    assert 0 < overhead < 0.05 and floor == pytest.approx(overhead / 0.05)
+    (case,) = result.cases
+    assert case.p50 < floor  # a tiny MLP's step is within 20× the machinery's
+    (finding,) = [f for f in result.findings if f.code == "below-timing-floor"]
+    assert finding.severity == "info" and finding.evidence["cases"] == ["single ×1 fp32"]
+    text = io.StringIO()
+    render("bench", result, "text", text)
+    assert "not trusted" in text.getvalue() and "below-timing-floor" in text.getvalue()
+    slow = _case(step=1.0)
+    assert [f.code for f in explain([slow], 64, floor=(overhead, floor))] == []
+
+
 @pytest.mark.usefixtures("no_gpu")
 def test_the_command_writes_json_and_refuses_bad_usage(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench.json"

@@ -36,20 +36,57 @@ def _pct(x: float) -> str:
 
 
 def explain(
-    cases: list[Case], cores: int, loader_workers: int | None = None, cuda: bool = True
+    cases: list[Case],
+    cores: int,
+    loader_workers: int | None = None,
+    cuda: bool = True,
+    floor: tuple[float, float] | None = None,
 ) -> list[Finding]:
     """Findings for the measured ``cases`` (those without an error) on a host with
     ``cores`` CPU cores; ``loader_workers``: the DataLoader's workers per process
     (``--data loader:N``; None for synthetic data); ``cuda``: measured on CUDA GPUs (else
-    CPU virtual devices)."""
+    CPU virtual devices); ``floor``: (bench's own per-step cost, the step time below which
+    figures are not trusted), seconds (``checks.bench.run.step_overhead``)."""
     ok = [c for c in cases if c.error is None and c.steps]
-    found: list[Finding] = []
+    found: list[Finding] = _below_floor(ok, floor)
     for case in ok:
         found += _input_bound(case, loader_workers, cores) + _dp_overhead(case) + _memory_imbalance(case)
         found += _comm_exposed(case) + _poorly_connected(case) + _stragglers(case)
         found += _small_batch(case) + _oversubscribed(case, cores)
     found += _amp_no_gain(ok, cuda)
     return found
+
+
+def _below_floor(cases: list[Case], floor: tuple[float, float] | None) -> list[Finding]:
+    if floor is None:
+        return []
+    overhead, trusted = floor
+    below = [c for c in cases if c.p50 < trusted]
+    if not below or overhead <= 0:
+        return []
+    shortest = min(below, key=lambda c: c.p50)
+    names = ", ".join(f"{c.label} ({1e3 * c.p50:.2f} ms)" for c in below)
+    return [
+        Finding(
+            "below-timing-floor",
+            "info",
+            f"steps under {1e3 * trusted:.2f} ms are not trusted: bench's own work per step "
+            f"({1e3 * overhead:.3f} ms) is more than {_pct(overhead / trusted)} of them "
+            f"({_pct(overhead / shortest.p50)} of the shortest) — {names}; "
+            "their samples/s understates what a bare training loop gets",
+            {
+                "step_overhead_s": overhead,
+                "trusted_step_floor_s": trusted,
+                "cases": [c.label for c in below],
+                "step_p50_s": [c.p50 for c in below],
+            },
+            cause="the runtime's step (phase marks, the loss read back, the batch handling) costs a fixed "
+            "time per step, measured with a one-unit model on the same device; on millisecond steps it is "
+            "a visible share, so the figures compare the machinery rather than the model",
+            fix="raise the batch (--batch-size) or the input size so a step takes longer than the floor, "
+            "or time such a small model with your own loop",
+        )
+    ]
 
 
 def _evidence(case: Case, **more: object) -> dict[str, object]:

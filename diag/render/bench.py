@@ -144,8 +144,16 @@ def _headline(result: Any) -> str:
     return (
         f"model {cfg.get('model')} · input {'×'.join(map(str, cfg.get('input_shape', [])))} · {convention} · "
         f"{cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up · {data} · "
-        f"epoch = {result.epoch_samples:,} samples{where} · timing: {cfg.get('timing')}"
+        f"epoch = {result.epoch_samples:,} samples{where} · timing: {cfg.get('timing')}{_floor(cfg)}"
     )
+
+
+def _floor(cfg: dict[str, Any]) -> str:
+    """Bench's own cost per step and the step time figures are trusted above (``step_overhead``)."""
+    overhead, floor = cfg.get("step_overhead_s"), cfg.get("trusted_step_floor_s")
+    if not overhead or not floor:
+        return ""
+    return f" (its own cost {_ms(overhead)} per step: steps under {_ms(floor)} not trusted)"
 
 
 def text(result: Any, stream: TextIO) -> None:
