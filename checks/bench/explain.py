@@ -139,7 +139,7 @@ def _input_fix(workers: int, cores: int, processes: int) -> str:
         )
     return (
         f"more workers would not help here: {processes} training process{'es' if processes != 1 else ''} "
-        f"with {workers} worker{'s' if workers != 1 else ''} each already use this host's {cores} "
+        f"and {workers} worker{'s' if workers != 1 else ''} per process already take this host's {cores} "
         f"core{'s' if cores != 1 else ''}; a host with more cores per GPU, {rest}"
     )
 
