@@ -1,6 +1,12 @@
 """Is ``gpudiag bench`` right, and what does its phase timing cost?
 
     .venv/bin/python bench/bench_accuracy.py [--model resnet18] [--batch 32] [--steps 20] [--rounds 3]
+    .venv/bin/python bench/bench_accuracy.py --cnn [--rounds 9]
+
+``--cnn``: the millisecond-step case of issue 36 (the built-in ``cnn``, batch 16, 50 timed
+steps), where bench's own work per step is a visible share: each round also prints bench's
+measured per-step cost and trusted floor (``step_overhead_s``, ``trusted_step_floor_s``)
+and whether the case's step fell below it (the ``below-timing-floor`` finding).
 
 1. **Accuracy**: bench's ``single`` samples/s at its median step (batch / step p50,
    ``gpudiag.bench(strategies=("single",))``) against a hand-written timed loop of the
@@ -78,7 +84,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--cnn", action="store_true", help="the built-in cnn, batch 16, 50 steps: millisecond steps"
+    )
     args = parser.parse_args()
+    if args.cnn:
+        args.model, args.batch, args.steps = "cnn", 16, 50
     shape = tuple(int(d) for d in args.input_shape.split(","))
     factory = resolve_model(args.model, shape, 10)
     x, y = random_batch(factory, args.batch, shape, 10, "ce")
@@ -101,6 +112,14 @@ def main() -> None:
             warmup=args.warmup,
         )
         ours.append(result.cases[0].batch / result.cases[0].p50)
+        floor = result.config["trusted_step_floor_s"]
+        below = any(f.code == "below-timing-floor" for f in result.findings)
+        print(
+            f"round: bench step p50 {1e3 * result.cases[0].p50:.3f} ms; its own cost "
+            f"{1e3 * result.config['step_overhead_s']:.3f} ms per step, trusted above {1e3 * floor:.2f} ms "
+            f"({'below: flagged' if below else 'above'})",
+            flush=True,
+        )
         hand.append(hand_loop(factory, x, y, args.warmup, args.steps, device))
         order = ((True, timed), (False, untimed))
         for flag, into in order if len(timed) % 2 == 0 else order[::-1]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from torch.utils.data import Dataset
 
 import gpudiag
 from gpudiag.checks.bench import BenchResult, Case, compare
@@ -76,6 +78,27 @@ def test_ddp_exposed_allreduce_and_the_slowest_rank() -> None:
     assert timed.allreduce_hidden == pytest.approx(0.0)
     fast = step_times("ddp", rank0, warmup=0)
     assert fast.phases["allreduce"] == pytest.approx(0.2) and fast.allreduce_hidden == pytest.approx(0.2)
+
+
+def test_hidden_allreduce_is_the_overlap_of_intervals_never_more_than_backward() -> None:
+    # Issue 36 #10: buckets queued behind each other overlap in time; their summed durations
+    # (1.42 s "hidden" here) exceeded the 0.6 s backward and the 1.0 s step.
+    events = [
+        *_step(1, 1.0, 0, forward=0.2, backward=0.6),
+        Phase(1, "allreduce", 0.25, 0.75, 0),
+        Phase(1, "allreduce", 0.30, 0.78, 0),
+        Phase(1, "allreduce", 0.35, 0.79, 0),
+        Phase(1, "allreduce", 0.60, 0.80, 0),  # the last bucket ready at 0.6
+    ]
+    timed = step_times("ddp", events, warmup=0)
+    assert timed.phases["allreduce"] == pytest.approx(0.2)  # 0.6 → 0.8
+    assert timed.allreduce_hidden == pytest.approx(0.35)  # 0.25 → 0.6, inside backward (0.2 → 0.8)
+    assert timed.allreduce_hidden <= 0.6
+    case = Case("ddp", 2, "fp32", 64, 32, steps=timed.steps, phases=timed.phases)
+    case.allreduce_hidden = timed.allreduce_hidden
+    (finding,) = [f for f in explain([case], 64) if f.code == "comm-exposed"]
+    assert finding.evidence["hidden_s"] == pytest.approx(0.35)
+    assert "350.00 ms hidden" in finding.message
 
 
 def test_plan_states_both_batch_conventions() -> None:
@@ -162,6 +185,21 @@ def test_comm_exposed_names_the_link() -> None:
     assert explain([_case("ddp", 2, step=0.1, allreduce=0.01)], 64) == []
 
 
+def test_the_hidden_line_sits_in_its_ddp_block_under_the_allreduce_row() -> None:
+    """Issue 36 #12: printed after the last case's phases, it read as that case's."""
+    ddp = _case("ddp", 2, step=0.1, allreduce=0.03)
+    ddp.allreduce_hidden = 0.004
+    single = _case(step=0.1)
+    text = io.StringIO()
+    render("bench", _result(ddp, single), "text", text)
+    lines = text.getvalue().splitlines()
+    hidden = [i for i, line in enumerate(lines) if "hidden under backward" in line]
+    assert len(hidden) == 1
+    assert lines[hidden[0] - 1].lstrip().startswith("allreduce")
+    assert "ddp ×2 fp32: 4.00 ms" in lines[hidden[0]]
+    assert hidden[0] < next(i for i, line in enumerate(lines) if line.startswith("single ×1 fp32"))
+
+
 # --- compare -----------------------------------------------------------------------------
 
 
@@ -199,6 +237,67 @@ def test_compare_files_round_trip_and_bad_input(tmp_path) -> None:  # type: igno
     assert "beyond noise" in text.output and "\x1b[" not in text.output
     assert runner.invoke(cli, ["bench", "--compare", str(a), str(bad)]).exit_code == 2
     assert runner.invoke(cli, ["bench", "--compare", str(a), str(b), "--model", "mlp"]).exit_code == 2
+
+
+def test_compare_refuses_a_fifo_without_waiting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #17: ``--compare`` on a FIFO waited forever for a writer."""
+    import os
+    import threading
+
+    good, fifo = tmp_path / "a.json", tmp_path / "fifo"
+    good.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    os.mkfifo(fifo)
+    got: list[object] = []
+    worker = threading.Thread(
+        target=lambda: got.append(CliRunner().invoke(cli, ["bench", "--compare", str(good), str(fifo)]))
+    )
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # the old code blocks in open(): a writer releases it
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("bench --compare waited on a FIFO")
+    (out,) = got
+    assert out.exit_code == 2 and "not a regular file" in out.output  # type: ignore[attr-defined]
+    assert out.exception is None or isinstance(out.exception, SystemExit)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda c: c.update(steps_s=[0.1, float("nan")]),
+        lambda c: c.update(steps_s=[0.1, float("inf")]),
+        lambda c: c.update(steps_s=[0.0, 0.0]),
+        lambda c: c.update(steps_s=[0.1, -0.1]),
+        lambda c: c.update(phases_s={"forward": float("nan")}),
+        lambda c: c.update(allreduce_hidden_s=-1.0),
+        lambda c: c.update(steps_s=[0.1, "1e999"]),
+    ],
+)
+def test_compare_refuses_damaged_figures(tmp_path, damage) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #17: NaN, Inf or zero step times were compared and written as NaN into the
+    comparison's JSON."""
+    good, bad = tmp_path / "a.json", tmp_path / "b.json"
+    good.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    doc = _result(_case(step=0.1)).to_json()
+    damage(doc["cases"][0])
+    text = json.dumps(doc).replace('"1e999"', "1e999")  # a literal that parses to inf
+    bad.write_text(text)
+    out = CliRunner().invoke(cli, ["bench", "--compare", str(good), str(bad), "--format", "json"])
+    assert out.exit_code == 2, out.output
+    assert not out.output.lstrip().startswith("{")  # no comparison written
+    assert "damaged bench result" in out.output or "not JSON" in out.output
+    assert len(out.output.strip().splitlines()) == 1
+
+
+def test_compare_refuses_deeply_nested_json_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #18: "internal error: RecursionError", exit 1."""
+    good, deep = tmp_path / "a.json", tmp_path / "deep.json"
+    good.write_text(json.dumps(_result(_case(step=0.1)).to_json()))
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    out = CliRunner().invoke(cli, ["bench", "--compare", str(good), str(deep)])
+    assert out.exit_code == 2, out.output
+    assert "nested too deep" in out.output and len(out.output.strip().splitlines()) == 1
 
 
 def test_compare_names_what_makes_two_runs_differ_and_what_failed() -> None:
@@ -264,6 +363,32 @@ def test_bench_measures_every_strategy_on_virtual_devices() -> None:
     assert repr(result).startswith("<BenchResult")
 
 
+def test_bench_measures_its_own_cost_per_step_and_flags_steps_below_the_floor() -> None:
+    """Issue 36 #11: on millisecond steps bench under-reported samples/s (0.75–0.83× a bare
+    loop on cnn) and said nothing; now its own per-step cost is measured, and steps within 20×
+    of it are named as not trusted."""
+    result = gpudiag.bench(
+        models.flat_mlp,
+        input_shape=(3, 4, 4),
+        num_classes=4,
+        batch_size=4,
+        steps=3,
+        warmup=1,
+        strategies=("single",),
+    )
+    overhead, floor = result.config["step_overhead_s"], result.config["trusted_step_floor_s"]
+    assert 0 < overhead < 0.05 and floor == pytest.approx(overhead / 0.05)
+    (case,) = result.cases
+    assert case.p50 < floor  # a tiny MLP's step is within 20× the machinery's
+    (finding,) = [f for f in result.findings if f.code == "below-timing-floor"]
+    assert finding.severity == "info" and finding.evidence["cases"] == ["single ×1 fp32"]
+    text = io.StringIO()
+    render("bench", result, "text", text)
+    assert "not trusted" in text.getvalue() and "below-timing-floor" in text.getvalue()
+    slow = _case(step=1.0)
+    assert [f.code for f in explain([slow], 64, floor=(overhead, floor))] == []
+
+
 @pytest.mark.usefixtures("no_gpu")
 def test_the_command_writes_json_and_refuses_bad_usage(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench.json"
@@ -313,6 +438,18 @@ def test_input_bound_fires_above_its_share_and_explains_poor_scaling() -> None:
         and "num_workers" in (finding.fix or "")
     )
     assert explain([_case(step=0.1, data=0.005)], 64, 2) == []
+
+
+def test_input_bound_never_advises_more_workers_than_cores() -> None:
+    """Issue 36 #12: on 2 cores, ddp ×2 with 2 workers each was told "num_workers=3 … at
+    most the cores per training process" (1 core each)."""
+    waiting = _case("ddp", 2, per_gpu=8, step=0.02, data=0.008)
+    (tight,) = explain([waiting], 2, 2)
+    assert "num_workers" not in (tight.fix or "") and "more workers would not help" in (tight.fix or "")
+    (roomy,) = explain([waiting], 16, 2)  # 8 cores per process: 4 workers fit
+    assert "num_workers=4" in (roomy.fix or "") and "--data loader:4" in (roomy.fix or "")
+    (capped,) = explain([waiting], 8, 2)  # 4 cores per process: 3 workers beside the process
+    assert "num_workers=3" in (capped.fix or "")
 
 
 def test_dp_memory_imbalance_needs_a_heavier_first_gpu() -> None:
@@ -420,6 +557,115 @@ def test_loader_workers_leave_stop_signals_to_the_trainer() -> None:
     finally:
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
+
+
+class _SlowSamples(Dataset[tuple[Any, int]]):
+    """Samples that take ``seconds`` each: DataLoader workers busy when a run is stopped."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        import time
+
+        import torch
+
+        time.sleep(self.seconds)
+        return torch.zeros(4), 0
+
+
+def _alive(pids: list[int]) -> list[int]:
+    from tests.procfs import children
+
+    return [p for p in pids if p in children()]
+
+
+def test_an_interrupted_feed_stops_busy_workers_within_a_second() -> None:
+    """Issue 36 #19: on SIGTERM/SIGINT the loader's orderly shutdown waited up to 5 s for each
+    busy worker, then sent it a SIGTERM it ignores and waited 5 s more."""
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from gpudiag.checks.bench.data import leave_signals_to_the_trainer
+    from gpudiag.runtime.feed import Feed
+    from tests.procfs import children
+
+    before = set(children())
+    loader: DataLoader[tuple[Any, int]] = DataLoader(
+        _SlowSamples(3.0), batch_size=1, num_workers=2, worker_init_fn=leave_signals_to_the_trainer
+    )
+    with pytest.raises(SystemExit), Feed(lambda rank, world: loader):
+        workers = [p for p in children() if p not in before]
+        assert len(workers) == 2
+        time.sleep(0.3)  # each worker is inside a 3 s sample
+        started = time.monotonic()
+        raise SystemExit(143)  # a rank's SIGTERM (gpudiag's Interrupted is a BaseException too)
+    assert time.monotonic() - started < 1.0
+    assert _alive(workers) == []
+
+
+@pytest.mark.parametrize(
+    ("strategy", "signum", "shape", "batch"),
+    [
+        ("single", "SIGKILL", "3,32,32", "4"),  # the trainer killed outright: torch's watchdog took ~5 s
+        # busy workers in ranks, killed by their launcher: gone ~4.4 s after gpudiag exited (on a
+        # quiet machine; under load the old code could pass: the feed test above is the sure one)
+        pytest.param("ddp", "SIGTERM", "3,224,224", "64", marks=pytest.mark.slow),
+    ],
+)
+def test_no_dataloader_worker_outlives_a_killed_bench(strategy, signum, shape, batch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #19: DataLoader workers outlived a killed bench by ~5.5 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.procfs import SESSION, live_processes
+
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "gpudiag", "bench", "--model", "cnn", "--strategies", strategy),
+            *("--gpus", "2", "--data", "loader:2", "--steps", "5000", "--warmup", "1"),
+            *("--batch-size", batch, "--input-shape", shape),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    expected = 1 + 2 if strategy == "single" else 1 + 2 * 3  # gpudiag, (ranks and) their workers
+    try:
+        deadline = time.monotonic() + 60
+        while len(live_processes(SESSION, proc.pid)) < expected:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the steps: workers busy making batches
+        workers = [p for p in live_processes(SESSION, proc.pid) if p != proc.pid]
+        os.kill(proc.pid, getattr(signal, signum))
+        proc.wait(30)
+        gone = time.monotonic()
+        while left := [p for p in workers if _running(p)]:
+            assert time.monotonic() - gone < 1.5, f"{len(left)} processes outlived gpudiag"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in live_processes(SESSION, proc.pid):
+            os.kill(p, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` is alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_rank_figures_and_a_straggler() -> None:

@@ -12,6 +12,8 @@ first (``differences``).
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,17 +166,37 @@ def _differences(before: BenchResult, after: BenchResult) -> list[str]:
     return out
 
 
+#: The most ``read_result`` reads (bytes): a bench result is a few KiB.
+MAX_BYTES = 64 * 1024 * 1024
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a bench result holds")
+
+
 def read_result(path: str) -> BenchResult:
-    """A ``gpudiag bench -o`` file (bounded read; bad input is exit 2)."""
+    """A ``gpudiag bench -o`` file: a regular file (a FIFO or device is refused, never
+    waited on), read up to :data:`MAX_BYTES`; JSON without NaN/Infinity, not nested
+    beyond the parser's depth; figures that are finite (step times above zero). Bad input
+    is :class:`InputError` (exit 2)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(64 * 1024 * 1024 + 1)
+        # O_NONBLOCK: opening a FIFO for reading must not wait for a writer; fstat then refuses it.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(raw) > 64 * 1024 * 1024:
-        raise InputError(f"{path}: larger than 64 MiB, not a bench result")
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"{path}: not a regular file, not a bench result")
+        try:
+            raw = f.read(MAX_BYTES + 1)
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_BYTES:
+        raise InputError(f"{path}: larger than {MAX_BYTES >> 20} MiB, not a bench result")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise InputError(f"{path}: not a bench result (JSON nested too deep)") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: not JSON ({exc})") from None
     return BenchResult.from_json(data, path)

@@ -133,14 +133,35 @@ class LoaderData:
         )
 
 
+#: How often a DataLoader worker checks that its training process is still there (seconds).
+PARENT_POLL_S = 0.1
+
+
 def leave_signals_to_the_trainer(_worker: int) -> None:
     """A DataLoader worker ignores SIGINT and SIGTERM: Ctrl-C and ``kill`` of the job reach
     every process of its group, and the training process stops its workers itself (the
     worker forked with gpudiag's handlers, which would raise in it, and a worker killed
     first makes the loader fail with "worker exited unexpectedly" instead of the
-    interruption). A worker whose training process is gone leaves by itself (torch's
-    watchdog)."""
+    interruption; on an interruption the trainer kills them: ``gpudiag.runtime.feed``).
+    A worker whose training process is gone (killed outright, or a rank ended by its
+    launcher) leaves within :data:`PARENT_POLL_S` seconds by itself — torch's own watchdog
+    takes up to 5 s."""
+    import os
     import signal
+    import threading
+    import time
+
+    from torch.utils.data import get_worker_info
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if get_worker_info() is None:
+        return  # (called outside a worker: nothing to watch)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="gpudiag-trainer-watch", daemon=True).start()

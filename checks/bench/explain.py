@@ -36,20 +36,57 @@ def _pct(x: float) -> str:
 
 
 def explain(
-    cases: list[Case], cores: int, loader_workers: int | None = None, cuda: bool = True
+    cases: list[Case],
+    cores: int,
+    loader_workers: int | None = None,
+    cuda: bool = True,
+    floor: tuple[float, float] | None = None,
 ) -> list[Finding]:
     """Findings for the measured ``cases`` (those without an error) on a host with
     ``cores`` CPU cores; ``loader_workers``: the DataLoader's workers per process
     (``--data loader:N``; None for synthetic data); ``cuda``: measured on CUDA GPUs (else
-    CPU virtual devices)."""
+    CPU virtual devices); ``floor``: (bench's own per-step cost, the step time below which
+    figures are not trusted), seconds (``checks.bench.run.step_overhead``)."""
     ok = [c for c in cases if c.error is None and c.steps]
-    found: list[Finding] = []
+    found: list[Finding] = _below_floor(ok, floor)
     for case in ok:
         found += _input_bound(case, loader_workers, cores) + _dp_overhead(case) + _memory_imbalance(case)
         found += _comm_exposed(case) + _poorly_connected(case) + _stragglers(case)
         found += _small_batch(case) + _oversubscribed(case, cores)
     found += _amp_no_gain(ok, cuda)
     return found
+
+
+def _below_floor(cases: list[Case], floor: tuple[float, float] | None) -> list[Finding]:
+    if floor is None:
+        return []
+    overhead, trusted = floor
+    below = [c for c in cases if c.p50 < trusted]
+    if not below or overhead <= 0:
+        return []
+    shortest = min(below, key=lambda c: c.p50)
+    names = ", ".join(f"{c.label} ({1e3 * c.p50:.2f} ms)" for c in below)
+    return [
+        Finding(
+            "below-timing-floor",
+            "info",
+            f"steps under {1e3 * trusted:.2f} ms are not trusted: bench's own work per step "
+            f"({1e3 * overhead:.3f} ms) is more than {_pct(overhead / trusted)} of them "
+            f"({_pct(overhead / shortest.p50)} of the shortest) — {names}; "
+            "their samples/s understates what a bare training loop gets",
+            {
+                "step_overhead_s": overhead,
+                "trusted_step_floor_s": trusted,
+                "cases": [c.label for c in below],
+                "step_p50_s": [c.p50 for c in below],
+            },
+            cause="the runtime's step (phase marks, the loss read back, the batch handling) costs a fixed "
+            "time per step, measured with a one-unit model on the same device; on millisecond steps it is "
+            "a visible share, so the figures compare the machinery rather than the model",
+            fix="raise the batch (--batch-size) or the input size so a step takes longer than the floor, "
+            "or time such a small model with your own loop",
+        )
+    ]
 
 
 def _evidence(case: Case, **more: object) -> dict[str, object]:
@@ -69,7 +106,6 @@ def _input_bound(case: Case, workers: int | None, cores: int) -> list[Finding]:
     if share <= INPUT_BOUND_SHARE:
         return []
     processes = case.gpus if case.strategy == "ddp" else 1
-    more = max(workers + 1, min(2 * max(workers, 1), max(1, cores // processes)))
     return [
         Finding(
             "input-bound",
@@ -80,11 +116,32 @@ def _input_bound(case: Case, workers: int | None, cores: int) -> list[Finding]:
             _evidence(case, share=round(share, 4), data_s=case.phases["data"], workers=workers, cores=cores),
             cause="the input pipeline (reading, decoding, augmenting, collating on the CPU) produces "
             "batches more slowly than the devices consume them, so the devices idle",
-            fix=f"give the DataLoader more workers (num_workers={more}; here --data loader:{more}; at most "
-            "the cores per training process), pin_memory=True and persistent_workers=True, lighter or "
-            "GPU-side augmentation, a faster storage format; --data synthetic shows the devices' ceiling",
+            fix=_input_fix(workers, cores, processes),
         )
     ]
+
+
+def _input_fix(workers: int, cores: int, processes: int) -> str:
+    """More DataLoader workers when the cores allow them (at most the cores per training
+    process, counting the process itself), else the CPU is the limit: say so, never advise
+    more workers than there are cores."""
+    per_process = max(1, cores // processes)
+    rest = (
+        "pin_memory=True and persistent_workers=True, lighter or GPU-side augmentation, a faster "
+        "storage format; --data synthetic shows the devices' ceiling"
+    )
+    if workers + 1 < per_process:
+        more = min(2 * max(workers, 1), per_process - 1)
+        return (
+            f"give the DataLoader more workers (num_workers={more}, here --data loader:{more}: this host has "
+            f"{cores} cores for {processes} training process{'es' if processes != 1 else ''}, "
+            f"{per_process} each with the process itself), {rest}"
+        )
+    return (
+        f"more workers would not help here: {processes} training process{'es' if processes != 1 else ''} "
+        f"and {workers} worker{'s' if workers != 1 else ''} per process already take this host's {cores} "
+        f"core{'s' if cores != 1 else ''}; a host with more cores per GPU, {rest}"
+    )
 
 
 def _memory_imbalance(case: Case) -> list[Finding]:

@@ -12,7 +12,9 @@ Per step, the phases the runtime times (``gpudiag.runtime.timing``) are folded i
   for ``dp`` it includes the replicas' gradients travelling back to the first device);
 - ``allreduce`` (``ddp``): the exposed part of the gradient all-reduce — from the last
   bucket becoming ready (gradient computation over) to the last all-reduce finishing;
-  the part hidden under backward is reported apart (``allreduce_hidden``), not in the step;
+  the part hidden under backward is reported apart (``allreduce_hidden``: the overlap of
+  the buckets' all-reduce intervals with backward, so never more than backward), not in
+  the step;
 - ``optimizer``: the optimizer step (and GradScaler update);
 - ``other``: the rest of the step (zeroing gradients, fp16's unscale and overflow check,
   the loss read back).
@@ -67,10 +69,44 @@ class StepTimes:
     allreduce_hidden: float | None = None
 
 
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint, sorted intervals covering ``intervals`` (seconds; empty ones dropped)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted((s, e) for s, e in intervals if e > s):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by both ``a`` and ``b`` (each a list of intervals)."""
+    ua, ub = union(a), union(b)
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in ua for s2, e2 in ub)
+
+
+def split_allreduce(
+    comm: Sequence[tuple[float, float]], backward: Sequence[tuple[float, float]]
+) -> tuple[float, float]:
+    """One DDP step's all-reduce, in seconds: (exposed, hidden). ``comm``: each bucket's
+    (ready, done); ``backward``: the backward phase's interval(s). Buckets run
+    concurrently, so their time is that of the union of their intervals, never their sum.
+    Exposed: the union's part after the last bucket became ready (the gradients are
+    computed, the step waits); hidden: its part inside backward before that — the overlap of
+    intervals, so it cannot exceed the backward it hides under."""
+    last_ready = max(s for s, _ in comm)
+    covered = union(comm)
+    exposed = overlap(covered, [(last_ready, math.inf)])
+    hidden = overlap(covered, [(s, min(e, last_ready)) for s, e in backward])
+    return exposed, hidden
+
+
 def _fold(strategy: str, events: Iterable[Any]) -> tuple[list[float], list[dict[str, float]], list[float]]:
     """One process's timed events → per step: its time, its phases, hidden all-reduce."""
     per_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    backward: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for p in events:
         if strategy == "dp" and p.device is not None:
             continue  # a replica's own forward: inside the step-level forward
@@ -78,6 +114,8 @@ def _fold(strategy: str, events: Iterable[Any]) -> tuple[list[float], list[dict[
             spans[p.step].append((p.start, p.end))
         else:
             per_step[p.step][p.name] += p.end - p.start
+            if p.name == "backward":
+                backward[p.step].append((p.start, p.end))
     times, phases, hidden = [], [], []
     for step in sorted(per_step):
         got = per_step[step]
@@ -90,9 +128,10 @@ def _fold(strategy: str, events: Iterable[Any]) -> tuple[list[float], list[dict[
         comm = spans.get(step, [])
         exposed = 0.0
         if comm:
-            exposed = min(max(0.0, max(e for _, e in comm) - max(s for s, _ in comm)), row["backward"])
+            exposed, under = split_allreduce(comm, backward.get(step, []))
+            exposed = min(exposed, row["backward"])
             row["backward"] -= exposed
-            hidden.append(max(0.0, sum(e - s for s, e in comm) - exposed))
+            hidden.append(under)
         row["allreduce"] = exposed
         row["other"] = max(0.0, total - sum(row.values()))
         times.append(total)
@@ -254,6 +293,26 @@ class Case:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Case:
+        """A case as :meth:`to_json` wrote it; ``ValueError`` for figures no measurement
+        gives (a step time that is not a positive finite number, a phase, hidden all-reduce
+        or speedup that is negative or not finite), so a damaged file is never compared."""
+        case = cls._from_json(data)
+        bad = [s for s in case.steps if not (math.isfinite(s) and s > 0)]
+        if bad:
+            raise ValueError(f"{case.label}: a step time of {bad[0]!r} s (each must be above zero)")
+        if case.gpus < 1 or case.batch < 1:
+            raise ValueError(f"{case.label}: {case.gpus} GPUs, batch {case.batch}")
+        figures: dict[str, Any] = {f"phase {k}": v for k, v in case.phases.items()}
+        figures["allreduce_hidden_s"] = case.allreduce_hidden
+        figures["speedup"] = case.speedup
+        for name, value in figures.items():
+            number = isinstance(value, (int, float)) and math.isfinite(value)
+            if value is not None and not (number and value >= 0):
+                raise ValueError(f"{case.label}: {name} is {value!r}")
+        return case
+
+    @classmethod
+    def _from_json(cls, data: dict[str, Any]) -> Case:
         memory = data.get("peak_memory_bytes")
         return cls(
             strategy=str(data["strategy"]),

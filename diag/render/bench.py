@@ -113,6 +113,20 @@ def _phases(case: Any) -> list[tuple[str, float, float]]:
     return [(n, s, s / total if total > 0 else 0.0) for n, s in case.phases.items() if s > 0]
 
 
+def _hidden_under(phases: list[tuple[str, float, float]]) -> str | None:
+    """The phase row a DDP case's hidden all-reduce is printed under: its exposed
+    ``allreduce`` row, else ``backward`` (the one it hides under)."""
+    names = [n for n, _, _ in phases]
+    return "allreduce" if "allreduce" in names else "backward" if "backward" in names else None
+
+
+def _hidden_line(case: Any) -> str:
+    return (
+        f"└ {case.label}: {_ms(case.allreduce_hidden)} more all-reduce per step hidden under backward "
+        "(overlapped, not in the step)"
+    )
+
+
 def _headline(result: Any) -> str:
     cfg = result.config
     convention = (
@@ -130,8 +144,16 @@ def _headline(result: Any) -> str:
     return (
         f"model {cfg.get('model')} · input {'×'.join(map(str, cfg.get('input_shape', [])))} · {convention} · "
         f"{cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up · {data} · "
-        f"epoch = {result.epoch_samples:,} samples{where} · timing: {cfg.get('timing')}"
+        f"epoch = {result.epoch_samples:,} samples{where} · timing: {cfg.get('timing')}{_floor(cfg)}"
     )
+
+
+def _floor(cfg: dict[str, Any]) -> str:
+    """Bench's own cost per step and the step time figures are trusted above (``step_overhead``)."""
+    overhead, floor = cfg.get("step_overhead_s"), cfg.get("trusted_step_floor_s")
+    if not overhead or not floor:
+        return ""
+    return f" (its own cost {_ms(overhead)} per step: steps under {_ms(floor)} not trusted)"
 
 
 def text(result: Any, stream: TextIO) -> None:
@@ -160,9 +182,12 @@ def text(result: Any, stream: TextIO) -> None:
                 out.print(f"\n[red]{escape(c.label)} failed:[/red] {escape(c.error)}")
                 continue
             out.print(f"\n[bold]{escape(c.label)}[/bold] · {_ms(c.step_time)} per step (mean)")
-            for name, seconds, share in _phases(c):
+            phases = _phases(c)
+            for name, seconds, share in phases:
                 bar = "█" * max(1, round(share * BAR_WIDTH)) if share >= 0.005 else "▏"
                 out.print(f"  {name:<10} {bar:<{BAR_WIDTH}} {100 * share:5.1f} %  {_ms(seconds)}")
+                if c.allreduce_hidden and name == _hidden_under(phases):
+                    out.print(f"  {'':<10} {_hidden_line(c)}")
             ranks = sorted(c.ranks, key=lambda r: -r.get("compute_s", 0.0))
             if len(ranks) > 1:
                 shown = ranks[:RANKS_SHOWN]
@@ -170,11 +195,6 @@ def text(result: Any, stream: TextIO) -> None:
                 out.print(f"  ranks{more}, per step:")
                 for r in shown:
                     out.print(f"    {escape(_rank_line(r))}")
-            if c.allreduce_hidden:
-                out.print(
-                    f"  {'':<10} {'':<{BAR_WIDTH}} all-reduce hidden under backward: "
-                    f"{_ms(c.allreduce_hidden)}"
-                )
         for s in result.skipped:
             out.print(f"\nskipped {escape(s['case'])}: {escape(s['reason'])}")
         text_findings(out, result.findings, "Findings")

@@ -12,6 +12,7 @@ each batch is the ``data`` phase (what the training loop spends in ``next(loader
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import signal
 import threading
@@ -66,11 +67,16 @@ class Feed:
             raise InputError("the data loader must give (inputs, targets) pairs")
         return batch[0], batch[1]
 
-    def close(self) -> None:
+    def close(self, hurry: bool = False) -> None:
         """Stop the loader's workers now: a ``DataLoader`` iterator's own shutdown (what it
         runs when released; called here because an exception's traceback may still hold
-        the iterator), guarded — any other iterable is just released."""
+        the iterator), guarded — any other iterable is just released. ``hurry`` (the run
+        is interrupted: SIGINT, SIGTERM): the workers are killed first (:func:`kill_workers`),
+        since the orderly shutdown waits up to 5 s for each busy worker to finish its batch
+        (then sends SIGTERM, which a worker may ignore, and waits 5 s more)."""
         batches, self._batches = self._batches, None
+        if hurry:
+            kill_workers(batches)
         shutdown = getattr(batches, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
@@ -81,5 +87,36 @@ class Feed:
     def __enter__(self) -> Feed:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        # Not an Exception: an interruption (SystemExit from a rank's SIGTERM, KeyboardInterrupt,
+        # gpudiag's Interrupted) — the process is leaving, its workers must not linger.
+        self.close(hurry=kind is not None and not issubclass(kind, Exception))
+
+
+def kill_workers(batches: Any) -> None:
+    """SIGKILL the worker processes of a ``DataLoader`` iterator (its private ``_workers``,
+    read with ``getattr``: nothing is done for any other iterable or torch version), after
+    taking them off torch's SIGCHLD watch (so their deaths do not raise "DataLoader worker
+    exited unexpectedly" in this process); the iterator's own shutdown then finds them gone
+    and returns at once."""
+    workers = getattr(batches, "_workers", None)
+    if not workers:
+        return
+    if getattr(batches, "_worker_pids_set", False):
+        try:
+            from torch.utils.data._utils import signal_handling
+
+            remove = getattr(signal_handling, "_remove_worker_pids", None)
+            if not callable(remove):
+                return  # cannot take them off the watch: leave them to the orderly shutdown
+            remove(id(batches))
+            batches._worker_pids_set = False
+        except (ImportError, RuntimeError, AttributeError):
+            return
+    for worker in workers:
+        with contextlib.suppress(Exception):
+            if worker.is_alive():
+                worker.kill()
+    for worker in workers:
+        with contextlib.suppress(Exception):
+            worker.join(1.0)

@@ -308,7 +308,8 @@ def local_phase(
         "pairs": [],
         "problems": problems,
         "notes": notes,
-        "injected": list(options.inject),
+        # every rehearsed fault of this node, its stall too (--inject-delay: delay_s)
+        "injected": [*options.inject, *([f"stall {options.stall}"] if options.stall else [])],
         "delay_s": options.delay or None,
         "seconds": {"local": round(time.perf_counter() - start, 3)},
     }

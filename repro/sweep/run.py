@@ -218,6 +218,18 @@ def _bundle_bytes(report: Any, extra: dict[str, bytes], anonymize: bool) -> byte
         return path.read_bytes()
 
 
+def stall_cannot_fire(stall: str, ident: Identity) -> str | None:
+    """Why ``--inject-stall STALL`` would never be reached in this run, or None: outside
+    torchrun there is no between-node phase; on one node no pairwise link test (its
+    ``pair-round1`` and ``gather-round1``). Refused before anything runs, as ``--inject``
+    specs that cannot fire are."""
+    if not ident.torchrun:
+        return "not under torchrun: a fleet of one runs no between-node collective"
+    if stall in ("pair-round1", "gather-round1") and ident.nodes < 2:
+        return "one node: there is no pairwise link test"
+    return None
+
+
 def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> SweepRun:
     """Run the sweep from this process (a torchrun rank, or alone: a fleet of one).
     Inputs are checked first (rules, baseline, expected hosts, the output folder: exit 2)."""
@@ -229,6 +241,11 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     folder = check_output(options) if ident.rank == 0 else None
     if options.stall is not None and options.stall not in STALLABLE:
         raise InputError(f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)}")
+    if options.stall is not None and (why := stall_cannot_fire(options.stall, ident)):
+        raise InputError(
+            f"--inject-stall {options.stall}: it cannot fire here ({why}); a rehearsed hang that never "
+            "happens would pass as a healthy sweep"
+        )
     backend = _backend(options, ident)
     budget = Budget.for_quick(options.quick) if options.budget is None else Budget(options.budget)
     scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
