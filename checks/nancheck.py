@@ -554,8 +554,9 @@ def nancheck_spec(
     with naming_model(model):
         factory = resolve_model(model, input_shape, num_classes)
         seed = options.get("seed", 0)
+        loss = options.get("loss", NANCHECK.loss)
         inputs, targets = random_batch(
-            factory, batch_size, input_shape, num_classes, "ce", seed, None, input_dtype, input_range
+            factory, batch_size, input_shape, num_classes, loss, seed, None, input_dtype, input_range
         )
         report = nancheck(factory, inputs, targets, machine=machine, **options)
     report.config.update(

@@ -78,3 +78,14 @@ def test_the_declared_ranges_refuse_on_every_side() -> None:
     assert refused.exit_code == 2 and "65" in refused.output
     assert config_fields()["gradcheck"]["world_size"](65) == "65 is out of range (expected 1 to 64)"
     assert "timeout" not in config_fields()["nancheck"]  # a deadline is no bundle's to set
+
+
+def test_nancheck_trains_with_the_loss_it_declares(tmp_path: Any) -> None:
+    """--loss is declared for nancheck (bundles carried it; the command had none): an mse
+    loss gets regression targets of the output's shape, not class labels."""
+    from click.testing import CliRunner
+
+    seed = "diag/examples/seed_8gpu_machine.json"
+    args = ["nancheck", "--machine", seed, "--pairs", "0-1", "--steps", "2", "--input-shape", "8"]
+    done = CliRunner().invoke(cli, [*args, "--loss", "mse", "--format", "json"])
+    assert done.exit_code == 0, done.output
