@@ -10,6 +10,7 @@ from typing import Any
 
 from gpudiag import defaults as D
 from gpudiag.checks import registry
+from gpudiag.checks.options import GradcheckOptions, NancheckOptions, suite_defaults
 from gpudiag.checks.registry import MACHINE_FILE, Check, Here, Request
 from gpudiag.errors import CannotRunHere
 from gpudiag.findings import Finding
@@ -25,24 +26,16 @@ _BATCH = {
 }
 DEFAULT_GRADCHECK = {
     **_BATCH,
-    "loss": "ce",
-    "strategies": ["single", "dp", "ddp"],
-    "world_size": D.WORLD_SIZE,
-    "steps": 1,
-    "lr": D.LR,
-    "optimizer": "sgd",
-    "dtype": "fp32",
-    "mode": "auto",
-    "seed": D.SEED,
+    **suite_defaults(
+        GradcheckOptions,
+        ("loss", "strategies", "world_size", "steps", "lr", "optimizer", "dtype", "mode", "seed"),
+    ),
     "inject": [],
 }
 DEFAULT_NANCHECK = {
     **_BATCH,
     "pairs": "all",
-    "strategy": "dp",
-    "steps": D.NANCHECK_STEPS,
-    "lr": D.LR,
-    "seed": D.SEED,
+    **suite_defaults(NancheckOptions, ("strategy", "steps", "lr", "seed")),
     "inject": [],
 }
 

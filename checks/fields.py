@@ -10,13 +10,12 @@ import functools
 import math
 from typing import Any
 
+from gpudiag.checks.options import GradcheckOptions, NancheckOptions, specs, validator
 from gpudiag.checks.registry import MACHINE_FILE
 from gpudiag.errors import InputError
 
 #: Bounds on what a bundle may ask replay to run (a bundle is someone else's input).
 LIMITS = {
-    "world_size": 64,
-    "steps": 10_000,
     "batch_size": 65_536,
     "num_classes": 100_000,
     "input_elements": 1 << 24,  # per sample: the product of input_shape
@@ -50,11 +49,6 @@ def _one_of(*choices: str) -> Any:
     return check
 
 
-def _number(value: Any) -> str | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return None if ok else f"{_describe(value)} is not a finite number"
-
-
 def _flag(value: Any) -> str | None:
     return None if isinstance(value, bool) else f"{_describe(value)} is not true or false"
 
@@ -72,13 +66,6 @@ def _shape(value: Any) -> str | None:
         return f"{_describe(value)} is not a list of 1 to 8 positive integers"
     if math.prod(value) > LIMITS["input_elements"]:
         return f"{value} holds more than {LIMITS['input_elements']} elements per sample"
-    return None
-
-
-def _strategies(value: Any) -> str | None:
-    choices = ("single", "dp", "ddp")
-    if not isinstance(value, list) or not value or not all(v in choices for v in value):
-        return f"{_describe(value)} is not a list of {', '.join(choices)}"
     return None
 
 
@@ -161,19 +148,19 @@ def _input_range(value: Any) -> str | None:
     return None if numbers and value[0] < value[1] else f"{_describe(value)} is not [LO, HI] with LO < HI"
 
 
+def _declared(options: type) -> dict[str, Any]:
+    return {name: validator(spec) for name, (_, spec) in specs(options).items() if spec.recorded}
+
+
 @functools.cache
 def config_fields() -> dict[str, dict[str, Any]]:
-    """check name → field → its check (imports the runtime: call when needed)."""
-    from gpudiag.runtime.config import LOSSES
-
+    """check name → field → its check (imports the runtime: call when needed). The options
+    a check declares (:mod:`gpudiag.checks.options`) are checked by their declaration."""
     model = {
         "model": _model,
         "input_shape": _shape,
         "num_classes": _integer(1, LIMITS["num_classes"]),
         "batch_size": _integer(1, LIMITS["batch_size"]),
-        "steps": _integer(1, LIMITS["steps"]),
-        "lr": _number,
-        "seed": _integer(0, 2**63 - 1),
         "inject": _inject,
         "input_dtype": _one_of("float", "long", "int"),
         "input_range": _input_range,
@@ -182,24 +169,8 @@ def config_fields() -> dict[str, dict[str, Any]]:
         "env": {},
         "topology": {"machine": _machine, "source": _one_of("nvml")},
         "peer": {"machine": _machine, "pairs": _pairs, "inject": _inject, "sizes": _sizes},
-        "gradcheck": {
-            **model,
-            "loss": _one_of(*LOSSES),
-            "strategies": _strategies,
-            "world_size": _integer(1, LIMITS["world_size"]),
-            "optimizer": _one_of("sgd", "adam", "none"),
-            "dtype": _one_of("fp32", "bf16", "fp16"),
-            "mode": _one_of("auto", "as-is", "controlled"),
-            "output": _output,
-            "sync_batchnorm": _flag,
-        },
-        "nancheck": {
-            **model,
-            "machine": _machine,
-            "pairs": _pairs,
-            "strategy": _one_of("dp", "ddp"),
-            "loss": _one_of(*LOSSES),
-        },
+        "gradcheck": {**model, **_declared(GradcheckOptions), "output": _output, "sync_batchnorm": _flag},
+        "nancheck": {**model, **_declared(NancheckOptions), "machine": _machine, "pairs": _pairs},
     }
 
 

@@ -33,6 +33,7 @@ import torch
 
 from gpudiag import defaults as D
 from gpudiag.checks.gradcheck.explain import asks_for_unused, unused_retry_finding
+from gpudiag.checks.options import NANCHECK, NancheckOptions, specs
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
 from gpudiag.findings import Finding, short_repr
 from gpudiag.hw.cuda import cuda_device_count
@@ -220,18 +221,19 @@ def nancheck(
     *,
     machine: Topology | None = None,
     pairs: str = "all",
-    strategy: str = "dp",
-    steps: int = 10,
-    lr: float = 0.01,
-    loss: str = "ce",
-    seed: int = 0,
+    strategy: str = NANCHECK.strategy,
+    steps: int = NANCHECK.steps,
+    lr: float = NANCHECK.lr,
+    loss: str = NANCHECK.loss,
+    seed: int = NANCHECK.seed,
     inject: tuple[str, ...] | list[str] = (),
-    timeout: float = 120.0,
+    timeout: float = NANCHECK.timeout,
     watch: bool = True,
 ) -> NancheckReport:
     """Train on every GPU alone and on every selected pair; locate where it breaks."""
-    if strategy not in ("dp", "ddp"):
-        raise InputError(f"--strategy must be dp or ddp, not {strategy!r}")
+    strategies = specs(NancheckOptions)["strategy"][1].choices or ()
+    if strategy not in strategies:
+        raise InputError(f"--strategy must be one of {', '.join(strategies)}, not {strategy!r}")
     for spec in inject:
         parse_fault(spec)  # bad specs fail before anything runs
     if machine is not None:
@@ -552,8 +554,9 @@ def nancheck_spec(
     with naming_model(model):
         factory = resolve_model(model, input_shape, num_classes)
         seed = options.get("seed", 0)
+        loss = options.get("loss", NANCHECK.loss)
         inputs, targets = random_batch(
-            factory, batch_size, input_shape, num_classes, "ce", seed, None, input_dtype, input_range
+            factory, batch_size, input_shape, num_classes, loss, seed, None, input_dtype, input_range
         )
         report = nancheck(factory, inputs, targets, machine=machine, **options)
     report.config.update(

@@ -17,6 +17,12 @@ NANCHECK_STEPS = 10
 #: How long one phase may run (the reference, a strategy, the ranks), in seconds.
 TIMEOUT_S = 300.0
 
+#: The choices every command and the runtime share (the runtime checks against these).
+STRATEGIES = ("single", "dp", "ddp")
+LOSSES = ("ce", "ce-sum", "mse", "mse-sum")
+DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adam", "none")
+
 
 def shape_text(shape: tuple[int, ...] = INPUT_SHAPE) -> str:
     """``(3, 32, 32)`` → ``"3,32,32"``, as ``--input-shape`` takes it."""

@@ -36,17 +36,17 @@ from gpudiag.checks.gradcheck.schedule import (
     outcomes,
 )
 from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
+from gpudiag.checks.options import GRADCHECK, GradcheckOptions, specs
+from gpudiag.checks.options import MODES as MODES
 from gpudiag.errors import InputError, from_user_code, naming_model
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
 from gpudiag.runtime.batch import OutputKey, batch_size, split
-from gpudiag.runtime.config import DTYPES, ModelFn
+from gpudiag.runtime.config import ModelFn
 from gpudiag.runtime.deadline import contained
 from gpudiag.runtime.faults import check_fires
 from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Recorder
-
-MODES = ("auto", "as-is", "controlled")
 
 
 @dataclass
@@ -87,20 +87,20 @@ def gradcheck(
     inputs: Any,
     targets: torch.Tensor,
     *,
-    strategies: tuple[str, ...] | list[str] = ("single", "dp", "ddp"),
-    world_size: int = 2,
-    steps: int = 1,
-    lr: float = 0.01,
-    optimizer: str = "sgd",
-    dtype: str = "fp32",
-    loss: Any = "ce",
+    strategies: tuple[str, ...] | list[str] = GRADCHECK.strategies,
+    world_size: int = GRADCHECK.world_size,
+    steps: int = GRADCHECK.steps,
+    lr: float = GRADCHECK.lr,
+    optimizer: str = GRADCHECK.optimizer,
+    dtype: str = GRADCHECK.dtype,
+    loss: Any = GRADCHECK.loss,
     output: OutputKey = None,
-    mode: str = "auto",
-    seed: int = 0,
+    mode: str = GRADCHECK.mode,
+    seed: int = GRADCHECK.seed,
     inject: tuple[str, ...] | list[str] = (),
     devices: DeviceSet | None = None,
     sync_batchnorm: bool = False,
-    timeout: float = 300.0,
+    timeout: float = GRADCHECK.timeout,
     describe: dict[str, Any] | None = None,
 ) -> GradcheckReport:
     """Compare ``strategies`` against ``single`` for ``model_factory`` on one batch.
@@ -110,10 +110,10 @@ def gradcheck(
     ``ce-sum``, ``mse``, ``mse-sum`` or ``loss(output, target)``. ``output``: the part of
     the model's output the loss takes (an index, a key or attribute; None: automatic,
     see :func:`gpudiag.runtime.batch.select_output`)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be auto, as-is or controlled, not {mode!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+    for name, value in (("mode", mode), ("dtype", dtype), ("optimizer", optimizer)):
+        choices = specs(GradcheckOptions)[name][1].choices or ()
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
     if devices is None and world_size < 1:
         raise InputError(f"world_size must be at least 1, not {world_size}")
     devices = devices or default_devices(world_size)

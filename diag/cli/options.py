@@ -121,9 +121,10 @@ def output_key(_ctx: click.Context, _param: click.Parameter, value: str | None) 
 
 def strategies_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in value.split(",") if s.strip())
-    bad = [s for s in names if s not in ("single", "dp", "ddp")]
+    bad = [s for s in names if s not in D.STRATEGIES]
     if bad or not names:
-        raise click.BadParameter(f"expected a list of single, dp, ddp; got {value!r}", ctx=ctx, param=param)
+        expected = ", ".join(D.STRATEGIES)
+        raise click.BadParameter(f"expected a list of {expected}; got {value!r}", ctx=ctx, param=param)
     return names
 
 
@@ -221,8 +222,9 @@ def data_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def dtype_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in value.split(",") if s.strip())
-    if not names or any(n not in ("fp32", "bf16", "fp16") for n in names):
-        raise click.BadParameter(f"expected a list of fp32, bf16, fp16; got {value!r}", ctx=ctx, param=param)
+    if not names or any(n not in D.DTYPES for n in names):
+        expected = ", ".join(D.DTYPES)
+        raise click.BadParameter(f"expected a list of {expected}; got {value!r}", ctx=ctx, param=param)
     return names
 
 
@@ -262,3 +264,54 @@ def input_shape_option(
         metavar="DIMS",
         help=text,
     )
+
+
+def declared_options(options: type, *names: str) -> Any:
+    """The click options ``--NAME`` of a check's options type (``gpudiag.checks.options``),
+    each with the type's default, choices or range and help: declared there once."""
+    from gpudiag.checks.options import specs
+
+    table = specs(options)
+
+    def decorate(command: Any) -> Any:
+        for name in reversed(names):
+            default, spec = table[name]
+            flag = "--" + name.replace("_", "-")
+            if spec.many:
+                command = click.option(
+                    flag,
+                    default=",".join(default),
+                    show_default=True,
+                    callback=_choices_list(spec.choices or ()),
+                    help=spec.help,
+                )(command)
+                continue
+            kind: Any
+            if spec.choices is not None:
+                kind = click.Choice(list(spec.choices))
+            elif isinstance(default, int) and not isinstance(default, bool):
+                kind = click.IntRange(
+                    None if spec.low is None else int(spec.low), None if spec.high is None else int(spec.high)
+                )
+            elif spec.low is not None or spec.high is not None:
+                kind = click.FloatRange(spec.low, spec.high, min_open=spec.low_open)
+            else:
+                kind = float
+            command = click.option(flag, default=default, show_default=True, type=kind, help=spec.help)(
+                command
+            )
+        return command
+
+    return decorate
+
+
+def _choices_list(choices: tuple[str, ...]) -> Any:
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+        names = tuple(s.strip() for s in value.split(",") if s.strip())
+        if not names or any(n not in choices for n in names):
+            raise click.BadParameter(
+                f"expected a list of {', '.join(choices)}; got {value!r}", ctx=ctx, param=param
+            )
+        return names
+
+    return parse

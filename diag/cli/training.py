@@ -9,10 +9,12 @@ from typing import Any
 import click
 
 from gpudiag import defaults as D
+from gpudiag.checks.options import GradcheckOptions, NancheckOptions
 from gpudiag.cli.group import cli
 from gpudiag.cli.options import (
     check_trace,
     data_source,
+    declared_options,
     device_list,
     dtype_list,
     format_option,
@@ -56,34 +58,8 @@ from gpudiag.cli.options import (
 @click.option(
     "--batch-size", default=D.BATCH_SIZE, show_default=True, type=click.IntRange(1), help="Global batch size."
 )
-@click.option(
-    "--loss", type=click.Choice(["ce", "ce-sum", "mse", "mse-sum"]), default="ce", show_default=True
-)
-@click.option(
-    "--strategies",
-    default="single,dp,ddp",
-    show_default=True,
-    callback=strategies_list,
-    help="Comma-separated; single is always the reference.",
-)
-@click.option(
-    "--world-size",
-    default=D.WORLD_SIZE,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Devices for dp and ranks for ddp (CUDA if there are enough GPUs, else CPU virtual devices).",
-)
-@click.option("--steps", default=1, show_default=True, type=click.IntRange(1), help="Optimizer steps.")
-@click.option("--lr", default=D.LR, show_default=True, type=float)
-@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
-@click.option(
-    "--mode",
-    type=click.Choice(["auto", "as-is", "controlled"]),
-    default="auto",
-    show_default=True,
-    help="controlled: BatchNorm on running statistics, random draws (dropout, drop path, RReLU, "
-    "noise) at their expected value; auto: as-is, then controlled where that could explain a difference.",
+@declared_options(
+    GradcheckOptions, "loss", "strategies", "world_size", "steps", "lr", "optimizer", "dtype", "mode"
 )
 @click.option(
     "--output",
@@ -93,7 +69,7 @@ from gpudiag.cli.options import (
     help="The part of the model's output the loss takes: an index into a tuple, or a dict key / "
     "attribute (default: the tensor, .logits, 'out', or a tuple's first element).",
 )
-@click.option("--seed", default=D.SEED, show_default=True, type=int)
+@declared_options(GradcheckOptions, "seed")
 @click.option(
     "--sync-batchnorm",
     is_flag=True,
@@ -127,21 +103,13 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
 @cli.command()
 @pairs_option("GPU pairs to train on.")
-@click.option("--strategy", type=click.Choice(["dp", "ddp"]), default="dp", show_default=True)
-@click.option(
-    "--steps",
-    default=D.NANCHECK_STEPS,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Training steps per run.",
-)
+@declared_options(NancheckOptions, "strategy", "steps")
 @click.option("--model", default="mlp", show_default=True, metavar="SPEC", help="As for gradcheck.")
 @input_shape_option()
 @input_options
 @click.option("--num-classes", default=D.NUM_CLASSES, show_default=True, type=click.IntRange(1))
 @click.option("--batch-size", default=D.BATCH_SIZE, show_default=True, type=click.IntRange(1))
-@click.option("--lr", default=D.LR, show_default=True, type=float)
-@click.option("--seed", default=D.SEED, show_default=True, type=int)
+@declared_options(NancheckOptions, "loss", "lr", "seed")
 @machine_option("machine_file")
 @runtime_options
 @format_option(("text", "json", "markdown"))

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from gpudiag import defaults as D
 from gpudiag.errors import InputError
 from gpudiag.findings import Finding
 from gpudiag.runtime.batch import OutputKey
@@ -21,9 +22,9 @@ from gpudiag.runtime.record import Recorder
 
 ModelFn = Callable[[], nn.Module]
 Strategy = Literal["single", "dp", "ddp"]
-STRATEGIES = ("single", "dp", "ddp")
-LOSSES = ("ce", "ce-sum", "mse", "mse-sum")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STRATEGIES = D.STRATEGIES
+LOSSES = D.LOSSES
+DTYPES = dict(zip(D.DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 @dataclass(frozen=True)
