@@ -151,6 +151,7 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
     ("per-gpu-batch-small", "warning", "bench", "a per-GPU batch too small to scale"),
     ("cpu-oversubscribed", "warning", "bench", "more compute threads than the host has cores"),
     ("amp-no-gain", "warning", "bench", "mixed precision gives almost no speed-up"),
+    ("below-timing-floor", "info", "bench", "steps too short for bench's own timing cost to be negligible"),
     # sweep
     ("node-missing", "error", "sweep", "an expected host never joined the sweep"),
     ("node-hung", "error", "sweep", "a rank stopped answering during the sweep"),
