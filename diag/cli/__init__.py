@@ -18,7 +18,7 @@ import signal
 import sys
 from typing import Any
 
-from gpudiag.cli import bundles, checkpoints, hardware, sweep, training  # noqa: F401  (they register the commands)
+from gpudiag.cli import bundles, checkpoints, hang, hardware, sweep, training  # noqa: F401  (they register the commands)
 from gpudiag.cli.group import cli
 from gpudiag.errors import Interrupted
 
