@@ -211,3 +211,46 @@ def test_bad_names_and_two_dumps_of_one_rank(tmp_path: Path) -> None:
     shutil.copy(GLOO / "skip" / "pickle" / "nccl_trace_rank_0", tmp_path / "b0")
     with pytest.raises(InputError, match="a second dump of rank 0"):
         read_dumps([str(tmp_path / "a0.json"), str(tmp_path / "b0")])
+
+
+def test_every_finding_code_is_documented_and_the_docs_example_is_real_output() -> None:
+    import re
+
+    docs = (Path(__file__).parents[1] / "docs" / "findings.md").read_text()
+    source = (Path(__file__).parents[1] / "diag" / "hang" / "result.py").read_text()
+    codes = set(re.findall(r'"(hang-[a-z-]+)"', source))
+    assert len(codes) == 9 and all(f"### `{code}`" in docs for code in codes)
+    page = (Path(__file__).parents[1] / "docs" / "hang.md").read_text()
+    for scenario in ("skip", "subgroup"):
+        command = f"$ gpudiag hang tests/data/fr/gloo/{scenario}/pickle\n"
+        shown = page.split(command, 1)[1].split("```", 1)[0]
+        done = CliRunner().invoke(cli, ["hang", str(GLOO / scenario / "pickle")])
+        assert done.output == shown
+
+
+@pytest.mark.parametrize("fmt, name", [("pickle", "nccl_trace_rank_2"), ("json", "fr-2.json")])
+def test_fuzzed_real_dumps_give_a_verdict_or_one_input_error(tmp_path: Path, fmt: str, name: str) -> None:
+    import random
+
+    rng = random.Random(33)
+    real = (GLOO / "skip" / fmt / name).read_bytes()
+    for rank in (0, 1):
+        shutil.copy(
+            GLOO / "skip" / fmt / sorted(p.name for p in (GLOO / "skip" / fmt).iterdir())[rank], tmp_path
+        )
+    start = time.monotonic()
+    for _ in range(150):
+        data = bytearray(real)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        (tmp_path / name).write_bytes(bytes(data))
+        try:
+            result = judge(analyse(read_dumps([str(tmp_path)])))
+        except InputError as exc:
+            assert "\n" not in str(exc)
+        else:
+            assert result.exit_code() in (0, 1, 3)
+            json.dumps(result.to_json())
+            result.to_text()
+            result.to_markdown()
+    assert time.monotonic() - start < 30

@@ -28,7 +28,7 @@ def _line(entry: Entry | None) -> str | None:
         return None
     line, caller = user_frames(entry.frames)
     shown = where(line)
-    return f"{shown} (called from {where(caller)})" if shown and caller else shown
+    return f"{shown}, called from {where(caller)}" if shown and caller else shown
 
 
 @dataclass
