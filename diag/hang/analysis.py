@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gpudiag.errors import InputError
-from gpudiag.hang.reader import Dump, Entry
+from gpudiag.hang.reader import Dump, Entry, Frame
 
 ABSENT = "(not in a collective)"
 
@@ -67,6 +67,8 @@ class Analysis:
     missing: list[int]
     mismatches: list[tuple[str, str, int, dict[int, str]]] = field(default_factory=list)
     all_entered: list[tuple[str, int, str]] = field(default_factory=list)
+    #: rank → the user's line in its main thread's stack (``gpudiag run`` wrote it), if any
+    stacks: dict[int, Frame] = field(default_factory=dict)
 
     @property
     def roots(self) -> list[GroupHang]:

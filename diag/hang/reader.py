@@ -116,15 +116,26 @@ def rank_of(path: Path) -> int:
     return int(found.group(1))
 
 
+def _named(path: Path) -> bool:
+    try:
+        rank_of(path)
+    except InputError:
+        return False
+    return True
+
+
 def dump_files(paths: list[str]) -> list[Path]:
-    """The dump files named, folders replaced by the files in them (hidden files skipped)."""
+    """The dump files named, folders replaced by the files in them whose name ends in a
+    rank (hidden files and others — a verdict, a log — skipped)."""
     files: list[Path] = []
     for each in paths:
         path = Path(each)
         if path.is_dir():
-            inside = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+            inside = sorted(
+                p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and _named(p)
+            )
             if not inside:
-                raise InputError(f"{path}: no dump files in this folder")
+                raise InputError(f"{path}: no dump files in this folder (none is named with a rank)")
             files.extend(inside)
         elif path.is_file():
             files.append(path)
@@ -190,7 +201,8 @@ def _ranks(text: Any) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text[:100_000]) if len(x) <= 7]
 
 
-def _frames(value: Any) -> tuple[Frame, ...]:
+def frames_of(value: Any) -> tuple[Frame, ...]:
+    """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's)."""
     out = []
     for f in value if isinstance(value, list) else ():
         if isinstance(f, dict) and isinstance(f.get("filename"), str):
@@ -244,7 +256,7 @@ def _entry(raw: Any, path: Path, index: int) -> Entry:
         output_dtypes=_strings(raw.get("output_dtypes")),
         state=state,
         completed=state == "completed" or raw.get("retired") is True,
-        frames=_frames(raw.get("frames")),
+        frames=frames_of(raw.get("frames")),
     )
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpudiag.findings import Finding
 from gpudiag.hang.analysis import ABSENT, Analysis, GroupHang
 from gpudiag.hang.frames import user_frames, where
-from gpudiag.hang.reader import Entry
+from gpudiag.hang.reader import Entry, Frame, frames_of
 
 SCHEMA = "gpudiag.hang/1"
 #: verdict → exit code (0 nothing wrong, 1 a hang found, 3 undecided).
@@ -51,6 +53,8 @@ class HangResult:
         for rank, dump in self.analysis.dumps.items():
             entry = self.analysis.blocked.get(rank) or (dump.entries[-1] if dump.entries else None)
             line, _ = user_frames(entry.frames) if entry else (None, None)
+            if rank not in self.analysis.blocked and rank in self.analysis.stacks:
+                line = self.analysis.stacks[rank]  # outside any collective: where it is now
             if line is not None:
                 out[rank] = where(line) or ""
         return out
@@ -144,9 +148,29 @@ class HangResult:
         return "\n".join(out) + "\n"
 
 
-def judge(analysis: Analysis) -> HangResult:
-    """The verdict, its one-paragraph summary and the findings of an :class:`Analysis`."""
+def stack_line(stacks_dir: Path | None, rank: int) -> Frame | None:
+    """The user's line in the main thread's stack that ``gpudiag run`` wrote for ``rank``
+    (``stacks/rank<R>.json``); None without one."""
+    path = stacks_dir / f"rank{rank}.json" if stacks_dir else None
+    try:
+        if path is None or not path.is_file() or path.stat().st_size > 16 * 1024 * 1024:
+            return None
+        stacks = json.loads(path.read_text())
+        if not isinstance(stacks, dict):
+            return None
+        if stacks.get("_finished") is True:
+            return Frame("(the end of the script)", 0, "")
+        return user_frames(frames_of(stacks.get("MainThread")))[0]
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def judge(analysis: Analysis, stacks_dir: Path | None = None) -> HangResult:
+    """The verdict, its one-paragraph summary and the findings of an :class:`Analysis`;
+    ``stacks_dir`` holds the Python stacks ``gpudiag run`` wrote (where a rank outside any
+    collective is)."""
     a = analysis
+    a.stacks = {r: f for r in a.dumps if (f := stack_line(stacks_dir, r)) is not None}
     findings: list[Finding] = []
     roots = a.roots
     root = roots[0] if roots else None
@@ -280,11 +304,18 @@ def _root_findings(a: Analysis, root: GroupHang, findings: list[Finding]) -> str
                     + "."
                 )
             else:
-                msg = (
-                    f"{_ranks([rank])} never entered {head} while {in_text}; {done} and it is in no "
-                    "collective: "
-                    "it is outside communication (compute, I/O, or a branch that skipped the collective)."
+                stack = a.stacks.get(rank)
+                now = (
+                    (
+                        "it reached the end of the script"
+                        if stack.line == 0
+                        else f"its Python stack is at {where(stack)}"
+                    )
+                    if stack
+                    else "it is outside communication (compute, I/O, or a branch that skipped the collective)"
                 )
+                msg = f"{_ranks([rank])} never entered {head} while {in_text}; {done} and it is in no "
+                msg += f"collective: {now}."
             findings.append(
                 Finding(
                     "hang-never-entered",
@@ -297,7 +328,7 @@ def _root_findings(a: Analysis, root: GroupHang, findings: list[Finding]) -> str
                         "blocked_elsewhere": blocked is not None,
                     },
                     fix=None
-                    if blocked is not None
+                    if blocked is not None or rank in a.stacks
                     else f"run py-spy dump --pid <pid of rank {rank}> to see its line",
                 )
             )

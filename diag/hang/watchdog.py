@@ -1,0 +1,182 @@
+"""The watchdog of ``gpudiag run``: a thread per rank that ends a hung job with a verdict.
+
+Every ``poll_s`` seconds it reads this rank's flight record (``_dump_fr_trace_json``, torch's
+private function, through ``getattr``); when a collective has been pending longer than
+``stall_s`` seconds, or another rank has raised the alarm in the job's store (a client of
+torchrun's TCP store at ``MASTER_ADDR:MASTER_PORT``), it writes into ``out``:
+
+- ``fr_rank<R>.pkl`` — the rank's dump (``_dump_fr_trace``, with Python frames),
+- ``stacks/rank<R>.json`` — the Python stack of every thread (what no dump shows: where a
+  rank outside any collective is),
+
+then the first rank to notice waits (at most ``gather_s``) for every rank's files, prints
+the verdict of :mod:`gpudiag.hang` on stderr, and every rank ends with exit 1 instead of
+waiting for the backend's timeout. Until then it writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+#: Store keys, under the job's run id.
+_ALARM = "gpudiag/hang/alarm"
+_DUMPED = "gpudiag/hang/dumped"
+_DONE = "gpudiag/hang/done"
+_FINISHED = "gpudiag/hang/finished"
+
+
+def pending_for(record: dict[str, Any], now_ns: int) -> float:
+    """Seconds the oldest collective still pending in a JSON flight record has waited (0: none)."""
+    oldest = 0.0
+    for e in record.get("entries") or ():
+        if not isinstance(e, dict) or e.get("state") == "completed" or e.get("retired") is True:
+            continue
+        created = e.get("time_created_ns")
+        if isinstance(created, int) and created > 0:
+            oldest = max(oldest, (now_ns - created) / 1e9)
+    return oldest
+
+
+def thread_stacks() -> dict[str, list[dict[str, Any]]]:
+    """Every thread's Python stack, innermost frame first (the flight recorder's order)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        frames = []
+        f: Any = frame
+        while f is not None:
+            frames.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
+            f = f.f_back
+        out[names.get(ident, str(ident))] = frames
+    return out
+
+
+class Watchdog(threading.Thread):
+    """One rank's watchdog (module docstring); ``start()`` it before the user's script runs."""
+
+    def __init__(self, stall_s: float, out: Path, poll_s: float = 1.0, gather_s: float = 15.0):
+        super().__init__(name="gpudiag-hang-watchdog", daemon=True)
+        self.stall_s, self.out, self.poll_s, self.gather_s = stall_s, out, poll_s, gather_s
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.store: Any = None
+        self.finished = False  # the script ended on this rank (set by finish())
+
+    def _connect(self) -> Any:
+        import datetime
+
+        import torch.distributed as dist
+
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            return None
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+        return dist.PrefixStore(f"gpudiag-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}", store)
+
+    def run(self) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except Exception:
+            return
+        c10d = getattr(torch._C, "_distributed_c10d", None)
+        dump_json = getattr(c10d, "_dump_fr_trace_json", None)
+        if dump_json is None:
+            return
+        while True:
+            time.sleep(self.poll_s)
+            if not dist.is_available() or not dist.is_initialized():
+                continue
+            try:
+                if self.store is None:
+                    self.store = self._connect()
+                if self.store is not None and self.store.check([_ALARM]):
+                    return self._stop(leader=False)
+                raw = dump_json()
+                record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            except Exception:
+                continue
+            if pending_for(record, time.time_ns()) > self.stall_s:
+                leader = self.store is None or self.store.add(_ALARM, 1) == 1
+                return self._stop(leader)
+
+    def finish(self) -> None:
+        """The script ended normally on this rank: wait until every rank has ended (then
+        return) or another rank raises the alarm (then dump, saying so, and end with 1) —
+        a rank that ends while the others wait in a collective is the hang's cause, and
+        its exit would turn their wait into a "connection closed" error that says nothing."""
+        try:
+            import torch.distributed as dist
+
+            if self.store is None and dist.is_available() and dist.is_initialized():
+                self.store = self._connect()
+        except Exception:
+            return
+        if self.store is None:
+            return
+        self.finished = True
+        try:
+            self.store.add(_FINISHED, 1)
+            while self.store.add(_FINISHED, 0) < self.world_size:
+                if self.store.check([_ALARM]):
+                    self._stop(leader=False)
+                time.sleep(0.2)
+        except Exception:
+            return
+
+    def _write(self) -> None:
+        import torch
+
+        c10d = torch._C._distributed_c10d
+        (self.out / "stacks").mkdir(parents=True, exist_ok=True)
+        dump = getattr(c10d, "_dump_fr_trace", None)
+        if dump is not None:
+            (self.out / f"fr_rank{self.rank}.pkl").write_bytes(bytes(dump()))
+        stacks = json.dumps({**thread_stacks(), "_finished": self.finished}, indent=1)
+        (self.out / "stacks" / f"rank{self.rank}.json").write_text(stacks)
+
+    def _stop(self, leader: bool) -> None:
+        try:
+            self._write()
+            if self.store is not None:
+                self.store.add(_DUMPED, 1)
+            if leader:
+                self._verdict()
+            elif self.store is not None:
+                deadline = time.monotonic() + self.gather_s + 10
+                while time.monotonic() < deadline and not self.store.check([_DONE]):
+                    time.sleep(0.2)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _verdict(self) -> None:
+        deadline = time.monotonic() + self.gather_s
+        while self.store is not None and time.monotonic() < deadline:
+            if self.store.add(_DUMPED, 0) >= self.world_size:
+                break
+            time.sleep(0.2)
+        from gpudiag.hang.analysis import analyse
+        from gpudiag.hang.reader import read_dumps
+        from gpudiag.hang.result import judge
+
+        try:
+            result = judge(
+                analyse(read_dumps([str(self.out)]), self.world_size), stacks_dir=self.out / "stacks"
+            )
+            (self.out / "verdict.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+            sys.stderr.write(
+                f"gpudiag run: a collective stalled for over {self.stall_s:g} s; dumps in {self.out}\n"
+            )
+            sys.stderr.write(result.to_text())
+        except Exception as exc:  # the job ends either way
+            sys.stderr.write(f"gpudiag run: dumps in {self.out}; analysis failed: {exc}\n")
+        if self.store is not None:
+            self.store.set(_DONE, "1")
