@@ -254,3 +254,21 @@ def test_fuzzed_real_dumps_give_a_verdict_or_one_input_error(tmp_path: Path, fmt
             result.to_text()
             result.to_markdown()
     assert time.monotonic() - start < 30
+
+
+def _busy_outside_any_collective(out: Path) -> int:
+    """Writes this thread's real stack as gpudiag run's watchdog does; returns the line."""
+    from gpudiag.hang.watchdog import thread_stacks
+
+    stacks = thread_stacks()
+    main = stacks.pop(next(name for name, frames in stacks.items() if frames[0]["name"] == "thread_stacks"))
+    (out / "rank1.json").write_text(json.dumps({"MainThread": main, "_finished": False}))
+    return main[1]["line"]
+
+
+def test_a_live_stack_names_the_line_of_a_rank_outside_any_collective(tmp_path: Path) -> None:
+    line = _busy_outside_any_collective(tmp_path)
+    result = judge(analyse(read_dumps([str(GLOO / "straggler" / "pickle")])), stacks_dir=tmp_path)
+    (finding,) = [f for f in result.findings if f.code == "hang-never-entered"]
+    assert f"its Python stack is at test_hang.py:{line}" in finding.message and finding.fix is None
+    assert result.to_json()["lines"]["1"] == f"test_hang.py:{line}"
