@@ -16,6 +16,7 @@ waiting for the backend's timeout. Until then it writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -81,13 +82,8 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         try:
-            import torch
             import torch.distributed as dist
         except Exception:
-            return
-        c10d = getattr(torch._C, "_distributed_c10d", None)
-        dump_json = getattr(c10d, "_dump_fr_trace_json", None)
-        if dump_json is None:
             return
         while True:
             time.sleep(self.poll_s)
@@ -98,7 +94,7 @@ class Watchdog(threading.Thread):
                     self.store = self._connect()
                 if self.store is not None and self.store.check([_ALARM]):
                     return self._stop(leader=False)
-                raw = dump_json()
+                raw = self._dump(json_format=True)
                 record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
             except Exception:
                 continue
@@ -130,14 +126,32 @@ class Watchdog(threading.Thread):
         except Exception:
             return
 
-    def _write(self) -> None:
+    @staticmethod
+    def _dump(json_format: bool) -> Any:
+        """This rank's flight record through torch's private functions (``getattr``): NCCL
+        keeps its own recorder (``_dump_nccl_trace``), gloo's is ``_dump_fr_trace`` (which
+        takes ``backend=`` from torch 2.15)."""
         import torch
+        import torch.distributed as dist
 
-        c10d = torch._C._distributed_c10d
+        c10d = getattr(torch._C, "_distributed_c10d", None)
+        suffix = "_json" if json_format else ""
+        backend = str(dist.get_backend())
+        nccl = getattr(c10d, f"_dump_nccl_trace{suffix}", None)
+        if backend == "nccl" and nccl is not None:
+            return nccl()
+        dump = getattr(c10d, f"_dump_fr_trace{suffix}", None)
+        if dump is None:
+            raise RuntimeError("this torch has no flight recorder dump")
+        try:
+            return dump(backend=backend)
+        except TypeError:  # torch < 2.15: one recorder, no backend argument
+            return dump()
+
+    def _write(self) -> None:
         (self.out / "stacks").mkdir(parents=True, exist_ok=True)
-        dump = getattr(c10d, "_dump_fr_trace", None)
-        if dump is not None:
-            (self.out / f"fr_rank{self.rank}.pkl").write_bytes(bytes(dump()))
+        with contextlib.suppress(Exception):  # (a rank whose recorder cannot dump is named missing)
+            (self.out / f"fr_rank{self.rank}.pkl").write_bytes(bytes(self._dump(json_format=False)))
         stacks = json.dumps({**thread_stacks(), "_finished": self.finished}, indent=1)
         (self.out / "stacks" / f"rank{self.rank}.json").write_text(stacks)
 
