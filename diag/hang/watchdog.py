@@ -1,7 +1,9 @@
 """The watchdog of ``gpudiag run``: a thread per rank that ends a hung job with a verdict.
 
-Every ``poll_s`` seconds it reads this rank's flight record (``_dump_fr_trace_json``, torch's
-private function, through ``getattr``); when a collective has been pending longer than
+Every ``poll_s`` seconds it reads this rank's flight record's ``pg_status``
+(``_dump_fr_trace_json(includeCollectives=False)``, torch's private function, through
+``getattr``); when nothing has moved for ``stall_s`` it reads the entries, and when a
+collective has been pending longer than
 ``stall_s`` seconds, or another rank has raised the alarm in the job's store (a client of
 torchrun's TCP store at ``MASTER_ADDR:MASTER_PORT``), it writes into ``out``:
 
@@ -44,6 +46,30 @@ def pending_for(record: dict[str, Any], now_ns: int) -> float:
     return oldest
 
 
+def _load(raw: Any) -> dict[str, Any]:
+    record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return record if isinstance(record, dict) else {}
+
+
+def progress(record: dict[str, Any]) -> tuple[tuple[tuple[str, str, str], ...], bool]:
+    """(each group's last enqueued and completed sequence numbers, whether a group has one
+    enqueued past its last completed) from ``pg_status``: reading it costs microseconds,
+    the entries about 80 ms for 2,000 (so they are read only once nothing has moved for
+    the stall limit; gloo's last completed number can lag, so the entries decide)."""
+    key, busy = [], False
+    status = record.get("pg_status")
+    for group, value in sorted(status.items()) if isinstance(status, dict) else ():
+        if not isinstance(value, dict):
+            continue
+        enqueued, completed = value.get("last_enqueued_collective"), value.get("last_completed_collective")
+        key.append((str(group), str(enqueued), str(completed)))
+        try:
+            busy = busy or int(enqueued) > int(completed)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            busy = True
+    return tuple(key), busy
+
+
 def thread_stacks() -> dict[str, list[dict[str, Any]]]:
     """Every thread's Python stack, innermost frame first (the flight recorder's order)."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -68,6 +94,10 @@ class Watchdog(threading.Thread):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.store: Any = None
         self.finished = False  # the script ended on this rank (set by finish())
+        self.stopping = threading.Event()  # set: the thread ends at its next poll (bench)
+        # held by the one thread that dumps and ends the rank: a rank whose script ended
+        # sees the alarm both in finish() and in this thread, and must count once
+        self.ending = threading.Lock()
 
     def _connect(self) -> Any:
         import datetime
@@ -85,22 +115,30 @@ class Watchdog(threading.Thread):
             import torch.distributed as dist
         except Exception:
             return
-        while True:
-            time.sleep(self.poll_s)
+        last_key: Any = None
+        since = checked = time.monotonic()
+        while not self.stopping.wait(self.poll_s):
             if not dist.is_available() or not dist.is_initialized():
                 continue
             try:
                 if self.store is None:
                     self.store = self._connect()
                 if self.store is not None and self.store.check([_ALARM]):
-                    return self._stop(leader=False)
-                raw = self._dump(json_format=True)
-                record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+                    return self._end(leader=False)
+                key, busy = progress(_load(self._dump(json_format=True, collectives=False)))
+                now = time.monotonic()
+                if key != last_key:
+                    last_key, since = key, now
+                    continue
+                if not busy or now - since <= self.stall_s or now - checked <= self.stall_s:
+                    continue
+                checked = now  # no progress for stall_s with a collective enqueued: read the entries
+                record = _load(self._dump(json_format=True, collectives=True))
             except Exception:
                 continue
             if pending_for(record, time.time_ns()) > self.stall_s:
                 leader = self.store is None or self.store.add(_ALARM, 1) == 1
-                return self._stop(leader)
+                return self._end(leader)
 
     def finish(self) -> None:
         """The script ended normally on this rank: wait until every rank has ended (then
@@ -121,13 +159,13 @@ class Watchdog(threading.Thread):
             self.store.add(_FINISHED, 1)
             while self.store.add(_FINISHED, 0) < self.world_size:
                 if self.store.check([_ALARM]):
-                    self._stop(leader=False)
+                    self._end(leader=False)
                 time.sleep(0.2)
         except Exception:
             return
 
     @staticmethod
-    def _dump(json_format: bool) -> Any:
+    def _dump(json_format: bool, collectives: bool = True) -> Any:
         """This rank's flight record through torch's private functions (``getattr``): NCCL
         keeps its own recorder (``_dump_nccl_trace``), gloo's is ``_dump_fr_trace`` (which
         takes ``backend=`` from torch 2.15)."""
@@ -138,15 +176,16 @@ class Watchdog(threading.Thread):
         suffix = "_json" if json_format else ""
         backend = str(dist.get_backend())
         nccl = getattr(c10d, f"_dump_nccl_trace{suffix}", None)
+        kwargs = {"includeCollectives": False} if not collectives else {}
         if backend == "nccl" and nccl is not None:
-            return nccl()
+            return nccl(**kwargs)
         dump = getattr(c10d, f"_dump_fr_trace{suffix}", None)
         if dump is None:
             raise RuntimeError("this torch has no flight recorder dump")
         try:
-            return dump(backend=backend)
+            return dump(backend=backend, **kwargs)
         except TypeError:  # torch < 2.15: one recorder, no backend argument
-            return dump()
+            return dump(**kwargs)
 
     def _write(self) -> None:
         (self.out / "stacks").mkdir(parents=True, exist_ok=True)
@@ -155,7 +194,10 @@ class Watchdog(threading.Thread):
         stacks = json.dumps({**thread_stacks(), "_finished": self.finished}, indent=1)
         (self.out / "stacks" / f"rank{self.rank}.json").write_text(stacks)
 
-    def _stop(self, leader: bool) -> None:
+    def _end(self, leader: bool) -> None:
+        if not self.ending.acquire(blocking=False):  # the other thread (finish() or run()) ends it
+            while True:
+                time.sleep(60)
         try:
             self._write()
             if self.store is not None:
