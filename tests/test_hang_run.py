@@ -95,3 +95,13 @@ def test_run_options_are_no_prefix_of_torchruns_own() -> None:
     )
     assert args.module and args.training_script == "gpudiag"
     assert args.training_script_args == ["run", "--stall", "5", "-o", "d", "t.py", "-x"]
+
+
+def test_a_missing_script_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    done = CliRunner().invoke(cli, ["run", "-o", str(tmp_path / "out"), str(tmp_path / "nope.py")])
+    assert (
+        done.exit_code == 2 and len(done.output.strip().splitlines()) == 1 and "no such script" in done.output
+    )
+    assert not (tmp_path / "out").exists()
