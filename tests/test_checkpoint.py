@@ -568,7 +568,7 @@ def test_weights_only_rules_are_within_torchs() -> None:
     from torch import _weights_only_unpickler as wo
 
     from gpudiag.repro.checkpoint.pickles import WEIGHTS_ONLY_GLOBALS
-    from gpudiag.repro.checkpoint.unpickle import WEIGHTS_ONLY_OPCODES
+    from gpudiag.unpickle import WEIGHTS_ONLY_OPCODES
 
     allowed = set(wo._get_allowed_globals())
     assert {g.replace("__builtin__.", "builtins.") for g in WEIGHTS_ONLY_GLOBALS} <= allowed

@@ -18,7 +18,15 @@ import signal
 import sys
 from typing import Any
 
-from gpudiag.cli import bundles, checkpoints, hardware, sweep, training, transport  # noqa: F401  (they register the commands)
+from gpudiag.cli import (  # noqa: F401  (they register the commands)
+    bundles,
+    checkpoints,
+    hang,
+    hardware,
+    sweep,
+    training,
+    transport,
+)
 from gpudiag.cli.group import cli
 from gpudiag.errors import Interrupted
 

@@ -5,7 +5,7 @@ are the API; ``gpudiag ckpt inspect|convert`` is a thin layer over them.
 
 Safety: torch checkpoints are read by a restricted unpickler (:mod:`.pickles`) — a pickle
 that needs other objects is refused unless the caller trusts the file; nothing is
-executed, and the work of reading is bounded whatever the file holds (:mod:`.unpickle`).
+executed, and the work of reading is bounded whatever the file holds (:mod:`gpudiag.unpickle`).
 The input is never modified and the output may not be the input; the output is written
 to a temporary file in its folder, fsynced and renamed, never over an existing file
 without ``force``, with the mode ``torch.save`` would give it (0666 less the umask); each

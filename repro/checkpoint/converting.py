@@ -25,7 +25,7 @@ from gpudiag.repro.checkpoint.reading import (
     plan_for_model,
     state_dicts,
 )
-from gpudiag.repro.checkpoint.unpickle import one_line
+from gpudiag.unpickle import one_line
 
 CONVERT_SCHEMA = "gpudiag.ckpt-convert/1"
 

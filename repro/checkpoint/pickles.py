@@ -6,7 +6,7 @@ stride, …)`` whose storage is a *persistent id* naming a record ``<name>/data/
 and the records themselves. :class:`SafeUnpickler` rebuilds the tree with
 :class:`TensorRef` placeholders (dtype, shape, storage key: no bytes read) and refuses
 anything outside a small allowlist of globals, so a malicious pickle never runs code; its
-work is bounded (:mod:`.unpickle`). :func:`dumps` writes a tree of placeholders back as
+work is bounded (:mod:`gpudiag.unpickle`). :func:`dumps` writes a tree of placeholders back as
 the same calls and persistent ids — an object met twice (a tied weight) as a reference to
 the first, as torch writes it — so torch loads the result exactly as it loaded the
 original. ``loads(…, weights_only=True)`` reads by the rules of
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.errors import InputError
-from gpudiag.repro.checkpoint.unpickle import BoundedUnpickler, TooComplex, check_tree, one_line
+from gpudiag.unpickle import BoundedUnpickler, TooComplex, check_tree, one_line
 
 #: torch storage class name → (dtype name, bytes per element).
 STORAGE_TYPES = {
@@ -357,6 +357,7 @@ class SafeUnpickler(BoundedUnpickler):
     global outside the allowlist (with ``weights_only``, outside torch's); bounded."""
 
     weighed_types = (tuple, frozenset, Call)
+    kind = "checkpoint"
 
     def __init__(
         self, data: bytes | io.IOBase, source: str, *, weights_only: bool = False, legacy: bool = False
@@ -400,12 +401,12 @@ def loads(data: bytes | io.IOBase, source: str, *, weights_only: bool = False, l
     except (UnsafeCheckpoint, InputError):
         raise
     except RecursionError as exc:
-        raise TooComplex(source, "nested too deep") from exc
+        raise TooComplex(source, "nested too deep", "checkpoint") from exc
     except Exception as exc:
         raise InputError(
             f"{source}: the checkpoint's pickle is damaged ({type(exc).__name__}: {one_line(str(exc))})"
         ) from exc
-    check_tree(tree, source)
+    check_tree(tree, source, "checkpoint")
     return tree
 
 

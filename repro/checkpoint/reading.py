@@ -1,5 +1,5 @@
 """Read a checkpoint's structure: detect the format, parse safetensors headers, unpickle
-torch checkpoints safely and within bounds (:mod:`.pickles`, :mod:`.unpickle`), and find
+torch checkpoints safely and within bounds (:mod:`.pickles`, :mod:`gpudiag.unpickle`), and find
 the model state dicts in what was read."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gpudiag.errors import InputError
 from gpudiag.repro.checkpoint import keys as K
 from gpudiag.repro.checkpoint import pickles, torchzip
 from gpudiag.repro.checkpoint.pickles import UnsafeCheckpoint
-from gpudiag.repro.checkpoint.unpickle import check_tree, one_line
+from gpudiag.unpickle import check_tree, one_line
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _SAFETENSORS_MAX_HEADER = 100 << 20
@@ -149,7 +149,7 @@ def load(path: str | os.PathLike[str], *, trust: bool = False) -> Loaded:
             torchzip.check_storages(archive, pickles.tensor_refs(tree), name)
             return Loaded(path, fmt, tree, archive=archive)
     tree = _torch_load(path, trust)
-    check_tree(tree, name)
+    check_tree(tree, name, "checkpoint")
     return Loaded(path, fmt, tree, trusted=trust)
 
 

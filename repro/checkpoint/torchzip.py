@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gpudiag.errors import InputError
-from gpudiag.repro.checkpoint.unpickle import one_line
+from gpudiag.unpickle import one_line
 
 ALIGNMENT = 64
 #: The most bytes read into memory for one record: the pickle, or a compressed record

@@ -1,7 +1,7 @@
 """Check what ``convert`` wrote before it is kept, and say what it could not carry.
 
 A torch output is read back by the rules of ``torch.load(weights_only=True)``
-(:mod:`.unpickle`): it is ``verified`` only if that read succeeds and every tensor — its
+(:mod:`gpudiag.unpickle`): it is ``verified`` only if that read succeeds and every tensor — its
 storage record, dtype, offset, shape, stride, and which tensors are one object — is the
 input's. An output that weights-only loading refuses is kept only when it refuses the
 input the same way (the output is then as loadable as the input was, and says so).

@@ -96,10 +96,11 @@ def one_line(text: str, limit: int = 200) -> str:
 
 
 class TooComplex(InputError):
-    """The pickle needs more work than any checkpoint does: refused before it is done."""
+    """The pickle needs more work than any file of its ``kind`` (a checkpoint, a
+    flight-recorder dump) does: refused before it is done."""
 
-    def __init__(self, source: str, what: str):
-        super().__init__(f"{source}: the checkpoint is too complex to read safely ({what})")
+    def __init__(self, source: str, what: str, kind: str = "pickle"):
+        super().__init__(f"{source}: the {kind} is too complex to read safely ({what})")
 
 
 def _children(obj: Any) -> Collection[Any]:
@@ -116,9 +117,10 @@ def _children(obj: Any) -> Collection[Any]:
     return parts() if callable(parts) else ()
 
 
-def check_tree(tree: Any, source: str) -> None:
+def check_tree(tree: Any, source: str, kind: str = "pickle") -> None:
     """Refuse a tree that is cyclic, nested deeper than MAX_DEPTH, or has more than
-    MAX_NODES nodes when walked as a tree; linear in the distinct objects."""
+    MAX_NODES nodes when walked as a tree; linear in the distinct objects. ``kind`` names
+    the file in the error (``"checkpoint"``)."""
     done: dict[int, tuple[int, int]] = {}  # id -> (tree size, depth)
     keep: list[Any] = []  # the objects whose ids are in done stay alive
     active: set[int] = set()
@@ -133,10 +135,10 @@ def check_tree(tree: Any, source: str) -> None:
             stack[-1] = (obj, kids)
             active.add(id(obj))
             if len(active) > MAX_DEPTH:
-                raise TooComplex(source, f"containers nested more than {MAX_DEPTH} deep")
+                raise TooComplex(source, f"containers nested more than {MAX_DEPTH} deep", kind)
             for kid in kids:
                 if id(kid) in active:
-                    raise TooComplex(source, "a container holds itself")
+                    raise TooComplex(source, "a container holds itself", kind)
                 if id(kid) not in done:
                     stack.append((kid, None))
             continue
@@ -145,7 +147,9 @@ def check_tree(tree: Any, source: str) -> None:
         size = 1 + len(_children(obj)) - len(kids) + sum(done[id(k)][0] for k in kids)
         depth = 1 + max((done[id(k)][1] for k in kids), default=0)
         if size > MAX_NODES:
-            raise TooComplex(source, f"more than {MAX_NODES} objects when walked, shared references counted")
+            raise TooComplex(
+                source, f"more than {MAX_NODES} objects when walked, shared references counted", kind
+            )
         done[id(obj)] = (size, depth)
         keep.append(obj)
 
@@ -174,6 +178,8 @@ class BoundedUnpickler(_PyUnpickler):
     ``find_class`` and ``persistent_load``; :meth:`check_call` guards calls."""
 
     weighed_types: tuple[type, ...] = _HASHABLE_CONTAINERS
+    #: What the file is, in errors: "the checkpoint is too complex…".
+    kind = "pickle"
 
     def __init__(self, file: bytes | io.IOBase, source: str, *, weights_only: bool = False):
         super().__init__(io.BytesIO(file) if isinstance(file, bytes) else file)
@@ -206,7 +212,7 @@ class BoundedUnpickler(_PyUnpickler):
                     raise EOFError
                 ops += 1
                 if ops > MAX_OPS:
-                    raise TooComplex(self.source, f"more than {MAX_OPS} pickle operations")
+                    raise TooComplex(self.source, f"more than {MAX_OPS} pickle operations", self.kind)
                 dispatch[key[0]](self)
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
@@ -229,7 +235,9 @@ class BoundedUnpickler(_PyUnpickler):
             else:
                 size += 1
         if size > MAX_KEY_NODES or depth > MAX_DEPTH:
-            raise TooComplex(self.source, f"a tuple of more than {MAX_KEY_NODES} objects or {MAX_DEPTH} deep")
+            raise TooComplex(
+                self.source, f"a tuple of more than {MAX_KEY_NODES} objects or {MAX_DEPTH} deep", self.kind
+            )
         weights[id(obj)] = (size, depth, obj)
 
     def check_keys(self, target: Any, keys: Iterable[Any]) -> None:
@@ -248,9 +256,9 @@ class BoundedUnpickler(_PyUnpickler):
             h = hash(key)
             counter[h] += 1
             if counter[h] > MAX_SAME_HASH:
-                raise TooComplex(self.source, f"more than {MAX_SAME_HASH} keys with the same hash")
+                raise TooComplex(self.source, f"more than {MAX_SAME_HASH} keys with the same hash", self.kind)
         if self.work > MAX_OPS:
-            raise TooComplex(self.source, f"more than {MAX_OPS} pickle operations")
+            raise TooComplex(self.source, f"more than {MAX_OPS} pickle operations", self.kind)
 
     def check_call(self, func: Any, args: tuple[Any, ...]) -> None:
         """Refuse calls whose cost is not bounded by the pickle's size: a consumer of a
@@ -264,7 +272,7 @@ class BoundedUnpickler(_PyUnpickler):
                 n = len(first) if isinstance(first, range) else first
                 self.work += max(n, 0) // (16 if func is bytearray else 1)
                 if self.work > MAX_OPS:
-                    raise TooComplex(self.source, f"{func.__name__}() of {n} items")
+                    raise TooComplex(self.source, f"{func.__name__}() of {n} items", self.kind)
             elif not isinstance(first, (list, tuple, set, frozenset, dict, str, bytes, bytearray)):
                 raise pickle.UnpicklingError(f"{func.__name__}() of {type(first).__name__}")
             if func in _HASHING:

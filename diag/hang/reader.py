@@ -1,0 +1,303 @@
+"""Read PyTorch flight-recorder dumps: pickle or JSON, any file name that ends in the rank.
+
+The format is torch's (``torch/csrc/distributed/c10d/FlightRecorder.hpp``): a dict with
+``version`` (``"2.10"`` from torch 2.11 to 2.15), ``pg_config`` (group name → name, desc,
+ranks as text), ``pg_status`` (per-rank group index → last enqueued/started/completed
+sequence number), ``entries`` (one dict per collective, oldest first: ``record_id``,
+``pg_id``, ``process_group`` = (name, desc), ``collective_seq_id``, ``p2p_seq_id``,
+``is_p2p``, ``profiling_name`` = "backend:op", sizes and dtypes, ``state``, ``retired``
+and, in pickles, ``frames``). A dump names no rank: the rank is the last number in the
+file's name (``nccl_trace_rank_3``, ``fr-3.json``, ``dump.rank3.pkl``), as torch's own
+analyzer reads it. The recorder is a ring buffer: a dump whose first ``record_id`` is not
+0 has lost its oldest entries (:attr:`Dump.wrapped`).
+
+Dumps come from other machines: a pickle is read by :class:`gpudiag.unpickle.BoundedUnpickler`
+with no global allowed (a dump holds only dicts, lists, tuples, text, numbers), within
+:data:`MAX_BYTES`; anything else is one :class:`~gpudiag.errors.InputError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpudiag.errors import InputError
+from gpudiag.unpickle import BoundedUnpickler, TooComplex, check_tree, one_line
+
+#: Largest dump read, in bytes (a 20,000-entry NCCL buffer with frames is about 60 MB).
+MAX_BYTES = 256 * 1024 * 1024
+#: Most files one run reads (a folder of one job's dumps, one per rank).
+MAX_FILES = 100_000
+#: Format versions read: major 2 (torch 2.11 to 2.15 write "2.10"; every 2.x has the fields used).
+MAJOR_VERSION = 2
+_EXTENSIONS = (".pkl", ".pickle", ".json", ".bin", ".txt", ".dump")
+_RANK = re.compile(r"(\d+)\D*$")
+_KIND = "flight-recorder dump"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame of the call that recorded a collective: ``file``, ``line``, function ``name``."""
+
+    file: str
+    line: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One recorded collective of one rank. ``group`` is the process group's global name
+    (``"0"`` is the world), ``desc`` its description (``default_pg``, a user's
+    ``group_desc``, ``undefined``); ``seq`` its collective (or p2p) sequence number in
+    that group; ``op`` the operation without the backend (``all_reduce``); ``completed``
+    whether this rank saw it finish (state ``completed`` or ``retired``)."""
+
+    record_id: int
+    group: str
+    desc: str
+    pg_id: int
+    seq: int
+    is_p2p: bool
+    op: str
+    input_sizes: list[Any]
+    input_dtypes: list[str]
+    output_sizes: list[Any]
+    output_dtypes: list[str]
+    state: str
+    completed: bool
+    frames: tuple[Frame, ...] = ()
+
+
+@dataclass
+class Dump:
+    """One rank's dump: its ``entries`` (oldest first), ``last_completed`` (group index →
+    last sequence number completed, from ``pg_status``), the ranks ``pg_config`` lists
+    per group name, and ``wrapped`` when the ring buffer dropped its oldest entries."""
+
+    rank: int
+    path: str
+    version: str
+    entries: list[Entry]
+    last_completed: dict[int, int] = field(default_factory=dict)
+    pg_ranks: dict[str, list[int]] = field(default_factory=dict)
+    wrapped: bool = False
+
+
+class _DumpUnpickler(BoundedUnpickler):
+    """No global at all: a flight-recorder pickle holds only builtin containers and scalars."""
+
+    kind = _KIND
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"a global ({one_line(module, 60)}.{one_line(name, 60)}), which no dump holds"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id, which no dump holds")
+
+
+def rank_of(path: Path) -> int:
+    """The rank a dump file's name ends in (extensions such as ``.pkl`` ignored)."""
+    name = path.name
+    for ext in _EXTENSIONS:
+        if name.lower().endswith(ext):
+            name = name[: -len(ext)]
+            break
+    found = _RANK.search(name)
+    if not found or len(found.group(1)) > 7:
+        raise InputError(
+            f"{path}: cannot tell the rank from the file name (it must end in the rank, as nccl_trace_rank_3)"
+        )
+    return int(found.group(1))
+
+
+def _named(path: Path) -> bool:
+    try:
+        rank_of(path)
+    except InputError:
+        return False
+    return True
+
+
+def dump_files(paths: list[str]) -> list[Path]:
+    """The dump files named, folders replaced by the files in them whose name ends in a
+    rank (hidden files and others — a verdict, a log — skipped)."""
+    files: list[Path] = []
+    for each in paths:
+        path = Path(each)
+        if path.is_dir():
+            inside = sorted(
+                p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and _named(p)
+            )
+            if not inside:
+                raise InputError(f"{path}: no dump files in this folder (none is named with a rank)")
+            files.extend(inside)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise InputError(f"{path}: no such file or folder")
+        if len(files) > MAX_FILES:
+            raise InputError(f"{each}: more than {MAX_FILES} files")
+    return files
+
+
+def load_tree(path: Path) -> Any:
+    """The object a dump file holds, pickle or JSON; bounded (module docstring)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise InputError(f"{path}: {size} bytes, more than a flight-recorder dump holds ({MAX_BYTES})")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    source = str(path)
+    head = data.lstrip()[:1]
+    if head in (b"{", b"["):
+        try:
+            tree = json.loads(data)
+        except RecursionError as exc:
+            raise TooComplex(source, "nested too deep", _KIND) from exc
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InputError(
+                f"{path}: not a flight-recorder dump (damaged JSON: {one_line(str(exc))})"
+            ) from exc
+    elif data[:1] == b"\x80":
+        try:
+            tree = _DumpUnpickler(data, source).load()
+        except InputError:
+            raise
+        except RecursionError as exc:
+            raise TooComplex(source, "nested too deep", _KIND) from exc
+        except Exception as exc:
+            raise InputError(
+                f"{path}: the dump's pickle is damaged or unsafe ({type(exc).__name__}: {one_line(str(exc))})"
+            ) from exc
+    else:
+        raise InputError(f"{path}: not a flight-recorder dump (neither a pickle nor JSON)")
+    check_tree(tree, source, _KIND)
+    return tree
+
+
+def _int(value: Any, what: str, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InputError(f"{path}: {what} is not a number")
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise InputError(f"{path}: {what} is not a number") from exc
+
+
+def _ranks(text: Any) -> list[int]:
+    """``"[0, 1, 2]"`` (pg_config's ranks) → [0, 1, 2]; [] when unreadable."""
+    if isinstance(text, list):
+        return [r for r in text if isinstance(r, int) and not isinstance(r, bool)]
+    if not isinstance(text, str):
+        return []
+    return [int(x) for x in re.findall(r"\d+", text[:100_000]) if len(x) <= 7]
+
+
+def frames_of(value: Any) -> tuple[Frame, ...]:
+    """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's)."""
+    out = []
+    for f in value if isinstance(value, list) else ():
+        if isinstance(f, dict) and isinstance(f.get("filename"), str):
+            line = f.get("line")
+            name = f.get("name")
+            out.append(
+                Frame(
+                    f["filename"],
+                    line if isinstance(line, int) and not isinstance(line, bool) else 0,
+                    name if isinstance(name, str) else "?",
+                )
+            )
+    return tuple(out)
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _strings(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _entry(raw: Any, path: Path, index: int) -> Entry:
+    where = f"entry {index}"
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: {where} is not a record")
+    for key in ("process_group", "collective_seq_id", "profiling_name"):
+        if key not in raw:
+            raise InputError(f"{path}: {where} has no {key!r} (not a flight-recorder dump?)")
+    group = raw["process_group"]
+    if not isinstance(group, (list, tuple)) or len(group) != 2 or not all(isinstance(g, str) for g in group):
+        raise InputError(f"{path}: {where}: process_group is not (name, desc)")
+    name = raw["profiling_name"]
+    if not isinstance(name, str):
+        raise InputError(f"{path}: {where}: profiling_name is not text")
+    is_p2p = bool(raw.get("is_p2p", False))
+    seq = _int(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"), f"{where}'s sequence number", path)
+    state = str(raw.get("state", ""))
+    return Entry(
+        record_id=_int(raw.get("record_id", index), f"{where}'s record_id", path),
+        group=group[0],
+        desc=group[1],
+        pg_id=_int(raw.get("pg_id", -1), f"{where}'s pg_id", path),
+        seq=seq,
+        is_p2p=is_p2p,
+        op=name.split(":", 1)[1] if ":" in name else name,
+        input_sizes=_list(raw.get("input_sizes")),
+        input_dtypes=_strings(raw.get("input_dtypes")),
+        output_sizes=_list(raw.get("output_sizes")),
+        output_dtypes=_strings(raw.get("output_dtypes")),
+        state=state,
+        completed=state == "completed" or raw.get("retired") is True,
+        frames=frames_of(raw.get("frames")),
+    )
+
+
+def parse_dump(tree: Any, path: Path, rank: int) -> Dump:
+    """A :class:`Dump` from the object a file held; InputError when it is not one."""
+    if not isinstance(tree, dict) or ("entries" not in tree and "version" not in tree):
+        raise InputError(f"{path}: not a flight-recorder dump (no 'version' and 'entries')")
+    version = tree.get("version")
+    major = str(version).split(".", 1)[0]
+    if not isinstance(version, str) or major != str(MAJOR_VERSION):
+        raise InputError(
+            f"{path}: flight-recorder format version {one_line(str(version), 20)} "
+            "is not one gpudiag reads (2.x)"
+        )
+    raw_entries = tree.get("entries", [])  # (absent when the recorder had none)
+    if not isinstance(raw_entries, list):
+        raise InputError(f"{path}: 'entries' is not a list")
+    entries = [_entry(raw, path, i) for i, raw in enumerate(raw_entries)]
+    last_completed: dict[int, int] = {}
+    status = tree.get("pg_status")
+    for key, value in status.items() if isinstance(status, dict) else ():
+        if isinstance(value, dict) and "last_completed_collective" in value:
+            try:
+                last_completed[int(key)] = int(value["last_completed_collective"])
+            except (TypeError, ValueError):
+                continue
+    pg_ranks: dict[str, list[int]] = {}
+    config = tree.get("pg_config")
+    for key, value in config.items() if isinstance(config, dict) else ():
+        if isinstance(key, str) and isinstance(value, dict):
+            pg_ranks[key] = _ranks(value.get("ranks"))
+    wrapped = bool(entries) and entries[0].record_id > 0
+    return Dump(rank, str(path), version, entries, last_completed, pg_ranks, wrapped)
+
+
+def read_dumps(paths: list[str]) -> list[Dump]:
+    """Every dump named (files or folders), one per rank, sorted by rank."""
+    dumps: dict[int, Dump] = {}
+    for path in dump_files(paths):
+        rank = rank_of(path)
+        if rank in dumps:
+            raise InputError(f"{path}: a second dump of rank {rank} (the first: {dumps[rank].path})")
+        dumps[rank] = parse_dump(load_tree(path), path, rank)
+    return [dumps[r] for r in sorted(dumps)]

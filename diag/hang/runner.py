@@ -1,0 +1,53 @@
+"""``gpudiag run``: the user's script, unchanged, under the hang watchdog (docs/hang.md).
+
+It runs ``SCRIPT ARGS`` as ``python SCRIPT ARGS`` would (``sys.argv``, ``__main__``, the
+script's folder first on ``sys.path``), with the flight recorder on unless the user set its
+variables, and a :class:`~gpudiag.hang.watchdog.Watchdog` thread. A script that ends
+normally leaves nothing behind and exits with its own code.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+from gpudiag.errors import InputError
+
+#: Set unless the user set them (the NCCL names too: older torch reads only those).
+RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+
+
+def run_script(script: str, args: list[str], stall_s: float, out: Path) -> int:
+    """Run ``script`` under the watchdog; its exit code (the watchdog ends a hung job with 1)."""
+    path = Path(script)
+    if not path.is_file():
+        raise InputError(f"{script}: no such script")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"-o {out}: not a folder")
+    for name, value in RECORDER.items():
+        os.environ.setdefault(name, value)
+    from gpudiag.hang.watchdog import Watchdog
+
+    watchdog = Watchdog(stall_s, out)
+    watchdog.start()
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            watchdog.finish()
+            return 0
+        if isinstance(code, int):
+            return code
+        sys.stderr.write(f"{code}\n")
+        return 1
+    except Exception:  # the script's own error: shown as python shows it
+        traceback.print_exc()
+        return 1
+    watchdog.finish()
+    return 0

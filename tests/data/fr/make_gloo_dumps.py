@@ -1,0 +1,166 @@
+"""Real gloo flight-recorder dumps of real hangs, 3-4 ranks on the CPU (torch's own recorder).
+
+Run: ``python tests/data/fr/make_gloo_dumps.py tests/data/fr/gloo [SCENARIO...]`` (about 5 s
+a scenario). Each scenario's ranks are forked, join a gloo group over TCP on 127.0.0.1 with
+``TORCH_FR_BUFFER_SIZE`` set, and run the body below; ``DUMP_AFTER_S`` seconds after the
+group formed, a thread in every live rank writes what ``torch._C._distributed_c10d`` dumps
+(``_dump_fr_trace()`` pickle, with Python frames, and ``_dump_fr_trace_json()``), as
+``SCENARIO/pickle/nccl_trace_rank_R`` (the watchdog's own name) and
+``SCENARIO/json/fr-R.json``, then ends the rank (a rank stuck in a collective would wait
+for gloo's timeout). gloo never dumps by itself; ``gpudiag run`` does what this thread does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+DUMP_AFTER_S = 3.0
+
+
+def skip(rank: int, ws: int, dist, torch) -> None:  # rank 2 skips the third all_reduce
+    x = torch.ones(4)
+    for step in range(3):
+        if rank == 2 and step == 2:
+            continue  # a data-dependent branch: rank 2 has no batch left
+        dist.all_reduce(x)
+    dist.barrier()
+
+
+def swap(rank: int, ws: int, dist, torch) -> None:  # rank 0 calls two collectives in the other order
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.broadcast(x, 0)
+        dist.all_reduce(x)
+    else:
+        dist.all_reduce(x)
+        dist.broadcast(x, 0)
+
+
+def shapes(rank: int, ws: int, dist, torch) -> None:  # same element count, other shape on rank 1
+    x = torch.ones(2, 3) if rank == 1 else torch.ones(3, 2)
+    dist.all_reduce(x)
+    dist.barrier()
+
+
+def dead(rank: int, ws: int, dist, torch) -> None:  # rank 2 stops before the second all_reduce
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if rank == 2:
+        # frozen, not exited: its sockets stay open, so the others wait in the collective
+        # as they would for a dead host (an exit closes them, gloo raises at once and
+        # marks the collective retired); it never dumps. make() kills it at the end.
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(x)
+
+
+def subgroup(rank: int, ws: int, dist, torch) -> None:  # rank 3 skips a collective of group [1, 2, 3]
+    x = torch.ones(4)
+    group = dist.new_group([1, 2, 3], group_desc="tail")
+    dist.all_reduce(x)
+    if rank in (1, 2, 3):
+        dist.all_reduce(x, group=group)
+        if rank != 3:
+            dist.all_reduce(x, group=group)
+    dist.barrier()
+
+
+def straggler(rank: int, ws: int, dist, torch) -> None:  # rank 1 computes for a long time; buffer wraps
+    x = torch.ones(4)
+    for _ in range(12):
+        dist.all_reduce(x)
+    if rank == 1:
+        time.sleep(60)  # outside any collective
+    dist.all_reduce(x)
+
+
+def healthy(rank: int, ws: int, dist, torch) -> None:
+    x = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(x)
+    dist.broadcast(x, 0)
+    dist.barrier()
+
+
+#: name → (body, world size, TORCH_FR_BUFFER_SIZE)
+SCENARIOS = {
+    "skip": (skip, 3, 100),
+    "swap": (swap, 3, 100),
+    "shapes": (shapes, 3, 100),
+    "dead": (dead, 3, 100),
+    "subgroup": (subgroup, 4, 100),
+    "straggler": (straggler, 3, 6),
+    "healthy": (healthy, 3, 100),
+}
+
+
+def rank_main(name: str, rank: int, ws: int, port: int, out: Path) -> None:
+    body, _, buffer = SCENARIOS[name]
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(buffer)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=ws,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+    def dump() -> None:
+        time.sleep(DUMP_AFTER_S)
+        c10d = torch._C._distributed_c10d
+        (out / "pickle").mkdir(parents=True, exist_ok=True)
+        (out / "json").mkdir(parents=True, exist_ok=True)
+        (out / "pickle" / f"nccl_trace_rank_{rank}").write_bytes(bytes(c10d._dump_fr_trace()))
+        json_dump = c10d._dump_fr_trace_json()
+        (out / "json" / f"fr-{rank}.json").write_bytes(
+            json_dump if isinstance(json_dump, bytes) else json_dump.encode()
+        )
+        time.sleep(2.0)  # every rank has dumped before the first one's exit closes its connections
+        os._exit(0)
+
+    threading.Thread(target=dump, daemon=True).start()
+    try:  # noqa: SIM105  (the except says why it is expected)
+        body(rank, ws, dist, torch)
+    except RuntimeError:  # gloo saw a peer die ("Connection closed by peer"): still dump
+        pass
+    time.sleep(DUMP_AFTER_S * 10)  # (the dump thread ends the rank)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make(name: str, root: Path) -> None:
+    _, ws, _ = SCENARIOS[name]
+    out = root / name
+    port = free_port()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=rank_main, args=(name, r, ws, port, out)) for r in range(ws)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    print(name, sorted(str(p.relative_to(root)) for p in out.rglob("*") if p.is_file()))
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1])
+    for name in sys.argv[2:] or list(SCENARIOS):
+        make(name, root)

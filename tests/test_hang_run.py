@@ -1,0 +1,107 @@
+"""``gpudiag run`` live under torchrun (gloo on the CPU): a rank that skips one all_reduce
+ends the job with a verdict; a healthy script leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from gpudiag.cli import cli
+
+SKIPS = textwrap.dedent(
+    """\
+    import sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    x = torch.ones(4)
+    for step in range(3):
+        if rank == 1 and step == 2:
+            continue  # rank 1 skips one all_reduce
+        dist.all_reduce(x)
+    print("rank", rank, "argv", sys.argv[1:], flush=True)
+    """
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(
+    tmp_path: Path, script: str, ranks: int, *options: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    (tmp_path / "train.py").write_text(script)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    argv += ["--master-port", str(_port()), "-m", "gpudiag", "run", *options, "train.py", "--lr", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    return done, time.monotonic() - start
+
+
+def test_a_skipped_all_reduce_ends_the_job_naming_the_rank_the_collective_and_the_line(
+    tmp_path: Path,
+) -> None:
+    done, took = _torchrun(tmp_path, SKIPS, 3, "--stall", "5", "-o", "hang")
+    assert done.returncode != 0 and took < 60, done.stderr[-3000:]
+    n = next(i + 1 for i, text in enumerate(SKIPS.splitlines()) if "dist.all_reduce(x)" in text)
+    said = (
+        f"rank 1 never entered default_pg collective #3 while ranks 0 and 2 are in all_reduce (train.py:{n})"
+    )
+    assert said in done.stderr, [
+        line for line in done.stderr.splitlines() if "gpudiag" in line or "rank" in line
+    ]
+    assert "rank 1 argv ['--lr', '3']" in done.stdout  # sys.argv as python SCRIPT ARGS sets it
+    verdict = json.loads((tmp_path / "hang" / "verdict.json").read_text())
+    assert verdict["culprit_ranks"] == [1] and verdict["collective"]["seq"] == 3
+    assert (
+        verdict["missing_ranks"] == []
+    )  # every rank dumped once (a rank counted twice made it analyse early)
+    assert sorted(p.name for p in (tmp_path / "hang" / "stacks").iterdir()) == [
+        f"rank{r}.json" for r in range(3)
+    ]
+
+
+def test_a_healthy_script_exits_with_its_code_and_leaves_nothing(tmp_path: Path) -> None:
+    healthy = SKIPS.replace("rank == 1 and step == 2", "False")
+    done, _ = _torchrun(tmp_path, healthy, 2, "--stall", "5", "-o", "hang")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "hang").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
+
+
+def test_run_options_are_no_prefix_of_torchruns_own() -> None:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    theirs = [o for action in parser._actions for o in action.option_strings]
+    ours = [o for p in cli.commands["run"].params for o in getattr(p, "opts", []) if o.startswith("-")]
+    assert ours == ["--stall", "-o"]
+    for option in ours:
+        assert not [o for o in theirs if o.startswith(option)], option
+    args = parser.parse_args(
+        ["--nproc-per-node", "3", "-m", "gpudiag", "run", "--stall", "5", "-o", "d", "t.py", "-x"]
+    )
+    assert args.module and args.training_script == "gpudiag"
+    assert args.training_script_args == ["run", "--stall", "5", "-o", "d", "t.py", "-x"]
+
+
+def test_a_missing_script_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    done = CliRunner().invoke(cli, ["run", "-o", str(tmp_path / "out"), str(tmp_path / "nope.py")])
+    assert (
+        done.exit_code == 2 and len(done.output.strip().splitlines()) == 1 and "no such script" in done.output
+    )
+    assert not (tmp_path / "out").exists()
