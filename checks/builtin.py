@@ -223,6 +223,22 @@ def _transport_headline(report: Any) -> str:
     )
 
 
+def _plan_hang(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    return None, (
+        "needs the job's flight-recorder dumps: gpudiag hang PATH… (or run the job under "
+        "`torchrun … -m gpudiag run SCRIPT`, which writes them when a collective stalls)"
+    )
+
+
+def _run_hang(config: dict[str, Any], here: Here) -> CheckResult:
+    from gpudiag.hang.analysis import analyse
+    from gpudiag.hang.reader import read_dumps
+    from gpudiag.hang.result import judge
+
+    result: CheckResult = judge(analyse(read_dumps(list(config["paths"])), config.get("world_size")))
+    return result
+
+
 def _warns(findings: list[Finding]) -> bool:
     return any(f.severity == "warning" for f in findings)
 
@@ -313,5 +329,16 @@ registry.register(
         _run_transport,
         _transport_headline,
         compare=_compare("transport"),
+    )
+)
+registry.register(
+    Check(
+        "hang",
+        "which rank hangs the job, in which collective, at which line (from flight-recorder dumps)",
+        _plan_hang,
+        _run_hang,
+        lambda result: str(result.summary),
+        # its inputs are the job's dump files: never in a bundle, so a bundle can set nothing
+        in_suite=False,
     )
 )

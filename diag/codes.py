@@ -26,6 +26,7 @@ SECTIONS = {
     "peer": "Peer-to-peer paths (`gpudiag peer`)",
     "transport": "NCCL's transports (`gpudiag transport`)",
     "environment": "Environment (`gpudiag env`, `report`, `doctor`)",
+    "hang": "Hangs (`gpudiag hang`)",
     "bench": "Training speed (`gpudiag bench`)",
     "sweep": "A cluster, node by node (`gpudiag sweep`)",
 }
@@ -166,7 +167,36 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
     ("node-topology-differs", "error", "sweep", "the node's GPU topology differs from most nodes'"),
     ("node-fewer-gpus", "error", "sweep", "the node has fewer GPUs than most nodes"),
     ("node-no-gpus", "error", "sweep", "torch sees no CUDA GPU on the node"),
-    ("node-host-duplicate", "error", "sweep", "several nodes report the same host name"),
+    ("node-host-duplicate", "error", "sweep", "several nodes report the same host name"),  # hang
+    ("hang-diverged", "error", "hang", "a rank called another collective than its group at the same point"),
+    ("hang-never-entered", "error", "hang", "a member never reached the collective the majority waits in"),
+    (
+        "hang-extra-collective",
+        "error",
+        "hang",
+        "a rank called a collective the rest of its group never calls",
+    ),
+    ("hang-rank-missing", "error", "hang", "a member of the group left no flight-recorder dump"),
+    ("hang-tie", "error", "hang", "the group's members split evenly: no culprit can be named"),
+    (
+        "hang-consequence",
+        "warning",
+        "hang",
+        "a group waits only because its ranks are stuck in another group",
+    ),
+    ("hang-all-entered", "info", "hang", "every member entered the pending collective with the same sizes"),
+    (
+        "hang-size-mismatch",
+        "warning",
+        "hang",
+        "a collective ran with other sizes or dtypes on different ranks",
+    ),
+    (
+        "hang-buffer-wrapped",
+        "info",
+        "hang",
+        "a rank's flight-recorder ring buffer dropped its oldest entries",
+    ),
 )
 
 #: Every finding code, by name.

@@ -3,6 +3,7 @@ them with torch 2.14.1; pickle and JSON) and a real NCCL one, plus damaged and h
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import shutil
@@ -17,6 +18,7 @@ from gpudiag.errors import InputError
 from gpudiag.hang.analysis import analyse
 from gpudiag.hang.reader import read_dumps
 from gpudiag.hang.result import judge
+from gpudiag.render import render
 
 DATA = Path(__file__).parent / "data" / "fr"
 GLOO = DATA / "gloo"
@@ -251,8 +253,8 @@ def test_fuzzed_real_dumps_give_a_verdict_or_one_input_error(tmp_path: Path, fmt
         else:
             assert result.exit_code() in (0, 1, 3)
             json.dumps(result.to_json())
-            result.to_text()
-            result.to_markdown()
+            for fmt in ("text", "markdown"):
+                render("hang", result, fmt, io.StringIO())
     assert time.monotonic() - start < 30
 
 

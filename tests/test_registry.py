@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import gpudiag.checks.suite  # noqa: F401  (registers gpudiag's own checks)
 from gpudiag.checks import registry
 from gpudiag.checks.registry import Check, Request
 from gpudiag.cli import cli
@@ -146,3 +147,19 @@ def test_transport_came_in_through_the_registry(no_gpu: None) -> None:
     (run,) = json.loads(done.stdout)["checks"]
     assert run["name"] == "transport" and run["status"] == "skipped"
     assert "gpudiag transport --from-log FILE" in run["headline"]
+
+
+def test_hang_came_in_through_the_registry() -> None:
+    """Issue 33's check, one entry: kept out of doctor's default run (its inputs are a job's
+    dumps), and when named it says what it needs."""
+    assert "hang" in registry.names() and "hang" not in registry.names(suite_only=True)
+    done = CliRunner().invoke(cli, ["doctor", "--checks", "hang", "--no-bundle", "--format", "json"])
+    assert done.exit_code == 0, done.output
+    (run,) = json.loads(done.stdout)["checks"]
+    assert run["status"] == "skipped" and "gpudiag hang PATH" in run["headline"]
+    assert isinstance(
+        registry.get("hang").run({"paths": [str(FR_GLOO / "skip" / "pickle")]}, None), CheckResult
+    )
+
+
+FR_GLOO = Path(__file__).resolve().parent / "data" / "fr" / "gloo"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
@@ -30,12 +29,9 @@ def hang(ctx: click.Context, paths: tuple[str, ...], world_size: int | None, fmt
 
     stacks = [Path(p) / "stacks" for p in paths if (Path(p) / "stacks").is_dir()]  # gpudiag run's
     result = judge(analyse(read_dumps(list(paths)), world_size), stacks_dir=stacks[0] if stacks else None)
-    if fmt == "json":
-        sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
-    elif fmt == "markdown":
-        sys.stdout.write(result.to_markdown())
-    else:
-        sys.stdout.write(result.to_text())
+    from gpudiag.render import render
+
+    render("hang", result, fmt, sys.stdout)
     ctx.exit(result.exit_code())
 
 

@@ -1,4 +1,5 @@
-"""The verdict of ``gpudiag hang`` (schema ``gpudiag.hang/1``): JSON, text, markdown, exit code."""
+"""The verdict of ``gpudiag hang`` (schema ``gpudiag.hang/1``): JSON and exit code (its text
+and Markdown: :mod:`gpudiag.render.hang`)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class HangResult:
             "missing_ranks": a.missing,
             "collective": collective,
             "lines": {str(r): line for r, line in sorted(self.lines().items())},
-            "ranks": [self._rank_row(r) for r in range(a.world_size)],
+            "ranks": self.rows(),
             "findings": [f.to_json() for f in self.findings],
         }
 
@@ -101,51 +102,14 @@ class HangResult:
             )
         return row
 
-    def to_text(self) -> str:
-        out = [self.summary, ""]
-        header = f"{'rank':>4}  {'group':<14} {'seq':>5}  {'op':<18} {'sizes':<14} {'state':<10} line"
-        out.append(header)
-        for row in self.to_json()["ranks"]:
-            if row.get("dump") is None:
-                out.append(f"{row['rank']:>4}  (no dump)")
-            elif "op" not in row:
-                out.append(f"{row['rank']:>4}  (no collective recorded)")
-            else:
-                out.append(
-                    f"{row['rank']:>4}  {str(row['group'])[:14]:<14} {row['seq']:>5}  {row['op'][:18]:<18} "
-                    f"{str(row['sizes'])[:14]:<14} {row['state']:<10} {row['line'] or '-'}"
-                )
-        for f in self.findings:
-            out.append(f"\n[{f.severity}] {f.code}: {f.message}")
-            if f.fix:
-                out.append(f"  fix: {f.fix}")
-        return "\n".join(out) + "\n"
+    @property
+    def simulated(self) -> bool:
+        """False: dumps are what the ranks recorded, read, not a simulation."""
+        return False
 
-    def to_markdown(self) -> str:
-        out = [
-            f"# gpudiag hang: {self.verdict}",
-            "",
-            self.summary,
-            "",
-            "| rank | group | seq | op | state | line |",
-        ]
-        out.append("|---|---|---|---|---|---|")
-        for row in self.to_json()["ranks"]:
-            if "op" not in row:
-                out.append(
-                    f"| {row['rank']} | (no dump) | | | | |"
-                    if row.get("dump") is None
-                    else f"| {row['rank']} | | | | | |"
-                )
-            else:
-                out.append(
-                    f"| {row['rank']} | {row['group']} | {row['seq']} | {row['op']} | {row['state']} "
-                    f"| {row['line'] or ''} |"
-                )
-        if self.findings:
-            out += ["", "## Findings", ""]
-            out += [f"- **{f.code}** ({f.severity}): {f.message}" for f in self.findings]
-        return "\n".join(out) + "\n"
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per rank of the job: its dump, group, collective, sizes, state, line."""
+        return [self._rank_row(r) for r in range(self.analysis.world_size)]
 
 
 def stack_line(stacks_dir: Path | None, rank: int) -> Frame | None:

@@ -231,7 +231,9 @@ class Watchdog(threading.Thread):
             sys.stderr.write(
                 f"gpudiag run: a collective stalled for over {self.stall_s:g} s; dumps in {self.out}\n"
             )
-            sys.stderr.write(result.to_text())
+            from gpudiag.render.hang import text
+
+            text(result, sys.stderr)
         except Exception as exc:  # the job ends either way
             sys.stderr.write(f"gpudiag run: dumps in {self.out}; analysis failed: {exc}\n")
         if self.store is not None:

@@ -27,12 +27,14 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "replay": ("text", "json", "markdown"),
     "bench": ("text", "json", "markdown"),
     "transport": ("text", "json", "markdown"),
+    "hang": ("text", "json", "markdown"),
 }
 _MODULES = {"text": "text", "json": "jsonout", "markdown": "markdown", "dot": "dot"}
 #: (kind, format) → (module, function) where a renderer is not ``_MODULES[format].kind``.
 ELSEWHERE: dict[tuple[str, str], tuple[str, str]] = {
     **{("bench", fmt): ("bench", fmt) for fmt in FORMATS["bench"]},
     **{("transport", fmt): ("transport", fmt) for fmt in FORMATS["transport"]},
+    **{("hang", fmt): ("hang", fmt) for fmt in FORMATS["hang"]},
     **{(kind, "text"): ("text_suite", kind) for kind in ("report", "doctor", "replay")},
     **{(kind, "markdown"): ("report_markdown", kind) for kind in ("report", "doctor")},
 }
