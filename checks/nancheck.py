@@ -268,6 +268,7 @@ def nancheck(
     ]
     outcomes = []
     unused: RankFailure | None = None
+    notes: dict[str, Finding] = {}  # what the runtime said of a run (syncbn-skipped), once each
     for pair in chosen:
         config = replace(
             base, strategy=strategy, devices=make(pair), faults=for_devices(inject, pair, strategy == "ddp")
@@ -281,11 +282,13 @@ def nancheck(
             status = "hung" if got.code == "rank-hung" else "crashed"
             outcomes.append(Outcome(pair, status, None, [], None, str(got), failure=got))
         else:
+            notes.update((f.code, f) for f in got.notes if f.code not in notes)
             outcomes.append(_outcome(pair, got, strategy))
     links = {pair: (machine.cell(f"GPU{pair[0]}", f"GPU{pair[1]}") if machine else None) for pair in chosen}
     findings = conclude(singles, outcomes, links, machine, strategy)
     if unused is not None:
         findings.insert(0, unused_retry_finding(strategy, unused))
+    findings[:0] = notes.values()
     verdict = "fail" if any(f.severity == "error" for f in findings) else "pass"
     return NancheckReport(
         verdict,
