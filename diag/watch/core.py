@@ -31,7 +31,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,15 @@ TRAIL_LIMIT = 100_000
 #: Forwards kept awaiting one backward (several losses, then one backward); beyond, the
 #: oldest are let go (a forward whose backward never comes keeps nothing for long).
 MAX_FORWARDS = 8
+#: GradScaler: skipped optimizer steps in a row (no clean backward between them) after which
+#: the skips are reported as a fault — a healthy run's scale falls from 2**16 to what its
+#: gradients need in a dozen or so halvings; twenty in a row is a gradient that stays
+#: non-finite at every scale (``max_skips=``).
+MAX_SKIPS = 20
+#: GradScaler: a skip at a scale below this is reported as a fault, in a row or not
+#: (``scale_floor=``): float16's smallest normal number, 2**-14 — gradients that overflow
+#: even scaled down 16384 times are not an overflow the scaler can fix.
+SCALE_FLOOR = 2.0**-14
 _INF = math.inf
 
 
@@ -228,14 +237,20 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(item, depth + 1)
 
 
-def _bad_count(obj: Any) -> tuple[int, int]:
-    """(NaN/Inf count, element count) over the floating tensors of ``obj`` (exact; slow path)."""
+def _bad_count(obj: Any, nan_only: bool = False) -> tuple[int, int]:
+    """(NaN/Inf count, element count) over the floating tensors of ``obj`` (exact; slow
+    path); with ``nan_only`` the NaN count."""
     bad = total = 0
     for t in _tensors(obj):
         data = t.detach()
-        bad += int((~torch.isfinite(data)).sum())
+        bad += int((torch.isnan(data) if nan_only else ~torch.isfinite(data)).sum())
         total += data.numel()
     return bad, total
+
+
+def _has_nan(obj: Any) -> bool:
+    """Whether any floating tensor of ``obj`` holds a NaN (exact; slow path)."""
+    return any(bool(torch.isnan(t.detach()).any()) for t in _tensors(obj))
 
 
 def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -284,9 +299,20 @@ class Watcher:
         record_dir: str | Path | bool | None = None,
         localize: bool = True,
         comm_hook: bool | None = None,
+        max_skips: int = MAX_SKIPS,
+        scale_floor: float = SCALE_FLOOR,
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
+        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
+            raise InputError(f"max_skips={max_skips!r}: expected a whole number of steps, 1 or more")
+        if not isinstance(scale_floor, (int, float)) or not 0 <= scale_floor < _INF:
+            raise InputError(f"scale_floor={scale_floor!r}: expected a finite scale, 0 or more")
+        self.max_skips, self.scale_floor = max_skips, float(scale_floor)
+        self._skips = 0  # GradScaler updates skipped in a row (no clean backward between)
+        self._skip_scale: float | None = None  # the scale at the last of them
+        self._skip_first: NonFiniteReport | None = None  # the first of them
+        self._skipped_now = False  # this backward's check noted a skip
         _end_of_backward_callback()  # refused here, not in the middle of the user's backward
         if not isinstance(model, nn.Module):
             raise InputError(f"gpudiag.watch needs a torch.nn.Module, got {type(model).__name__}")
@@ -356,6 +382,9 @@ class Watcher:
         self._trail: list[_Seen] = []
         self._order: dict[str, int] = {}  # module path → first position in forward order (let-go forwards)
         self._early: _Local | None = None  # a forward fault found as the forward ended (CPU)
+        #: an output held an Inf but no NaN (masked logits): judged by the gradients, so on the
+        #: CPU the module outputs are kept to the end of the backward to name it if they go bad
+        self._holding = False
         self._inputs: list[Any] = []
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
@@ -487,8 +516,13 @@ class Watcher:
         the queue: the outputs are kept to the end of the backward and read only if a
         witness read with everything else there is not finite."""
         clean = bool(torch.isfinite(witness).all())
-        if not clean and self._early is None:
-            self._early = self._first_bad_output()
+        verdict = "clean" if clean else self._forward_verdict(self._outputs[-1:])
+        if verdict == "nan" and self._early is None:
+            self._early = self._first_bad_output(nan_only=True)
+        if verdict == "inf":
+            self._holding = True  # judged by the gradients at the end of the backward
+        if self._holding:
+            return
         for seen in self._trail:
             self._order.setdefault(seen.path, len(self._order))
         self._trail.clear()
@@ -685,6 +719,9 @@ class Watcher:
             self._bucket_norms.clear()
             self._param_sums.clear()
             self._pre_read = None
+            if not self._skipped_now and self._local is None:  # a clean step ends a run of skips
+                self._skips, self._skip_scale, self._skip_first = 0, None, None
+            self._skipped_now = False
             self.step += 1
             if self._comm is not None:  # the runtime's fault plan counts steps from 1
                 self._comm.hook.step = self.step + 1
@@ -835,9 +872,15 @@ class Watcher:
         if transfer is not None:
             return transfer
         if any(not math.isfinite(v) for v in fwd):
-            found = self._first_bad_output()
-            if found is not None:
-                return found
+            # A NaN in the model's outputs (or a non-finite loss given to observe()) is a
+            # fault; an Inf alone (masked logits, an unused entry) only if the gradients
+            # went non-finite too.
+            verdict = self._forward_verdict(self._outputs)
+            grads_bad = bool(bad_grads) or any(not math.isfinite(v) for v in out_grads)
+            if verdict == "nan" or (verdict == "inf" and grads_bad):
+                found = self._first_bad_output(nan_only=verdict == "nan")
+                if found is not None:
+                    return found
         if any(not math.isfinite(v) for v in out_grads):
             return self._scaler_skip(
                 self._local_at(
@@ -892,17 +935,46 @@ class Watcher:
         self._out_grads.clear()
         self._order.clear()
         self._early = None
+        self._holding = False
 
-    def _first_bad_output(self) -> _Local | None:
+    @staticmethod
+    def _forward_verdict(outputs: list[tuple[torch.Tensor, Any, str]]) -> str:
+        """``"nan"``: a model output holds a NaN, or a loss given to :meth:`observe` is
+        non-finite (a fault); ``"inf"``: the model's outputs hold Infs and no NaN (masked
+        logits, an unused entry of a dict: a fault only if the gradients go non-finite);
+        ``"clean"``. An output let go (an eval-mode forward) is judged by its witness, whose
+        NaN may also be two Infs of opposite signs: taken as a NaN."""
+        verdict = "clean"
+        for witness, output, name in outputs:
+            if bool(torch.isfinite(witness).all()):
+                continue
+            if name or (_has_nan(output) if output is not None else bool(torch.isnan(witness).any())):
+                return "nan"
+            verdict = "inf"
+        return verdict
+
+    def _nan_arose_from_finite(self) -> bool:
+        """Whether the first kept module output holding a NaN had finite inputs: the NaN
+        arose there, and an Inf before it (a masked score) is not its origin."""
+        for seen in self._trail:
+            if _has_nan(seen.output):
+                return not _bad_count(seen.inputs)[0]
+        return False
+
+    def _first_bad_output(self, nan_only: bool = False) -> _Local | None:
+        """The first input or module output, in the order they ran, that was non-finite.
+        ``nan_only`` (the step's outputs hold a NaN): if the first module output holding a
+        NaN made it from finite inputs, Infs before it (masking) are not blamed."""
         if self._early is not None:
             return self._early
+        nan_only = nan_only and self._nan_arose_from_finite()
         for inputs in self._inputs:
-            bad, total = _bad_count(inputs)
+            bad, total = _bad_count(inputs, nan_only)
             if bad:
                 return self._local_at("input", "<input>", f"{bad} of {total} input values were non-finite")
         suspects: list[str] = []
         for i, seen in enumerate(self._trail):
-            bad, total = _bad_count(seen.output)
+            bad, total = _bad_count(seen.output, nan_only)
             if not bad:
                 continue
             if seen.changed_since(self._trail[i + 1 :]):
@@ -950,7 +1022,7 @@ class Watcher:
             local.transfer = self._carrier(seen)
             return local
         for _, out, name in self._outputs:
-            bad, total = _bad_count(out)
+            bad, total = _bad_count(out, nan_only and not name)
             if bad and name:
                 return self._local_at(
                     "forward", name, f"{name} was non-finite ({bad} of {total}), every module output finite"
@@ -1043,6 +1115,8 @@ class Watcher:
         arrived: bool = False,
         raising: bool = True,
     ) -> None:
+        if self.done:
+            return  # the first fault is said once
         report = NonFiniteReport(
             step=origin.step,
             rank=origin.rank,
@@ -1071,14 +1145,17 @@ class Watcher:
         )
         self.events.append(report)
         if report.kind == "scaler-skip":
-            return  # an overflow the scaler deals with: noted, not a fault
+            report = self._skip_run(report)
+            if report.kind == "scaler-skip":
+                return  # an overflow the scaler deals with: noted, not a fault
+            self.events.append(report)  # a run of skips: the fault
         self.report, self.done = report, True
         self._trail.clear()
         if self._record_dir is not False:
             folder = record_dir(None if self._record_dir in (None, True) else self._record_dir)
             try:
                 write_record(report, folder)
-            except OSError as exc:
+            except (OSError, InputError) as exc:  # (a link or a FIFO planted there): training goes on
                 warnings.warn(
                     f"gpudiag.watch could not write its record in {folder}: {exc}",
                     stacklevel=_user_stacklevel(),
@@ -1087,6 +1164,43 @@ class Watcher:
             raise NonFiniteError(report)
         if self.mode == "warn" or self.mode == "raise":
             warnings.warn(NonFiniteWarning(report), stacklevel=_user_stacklevel())
+
+    def _skip_run(self, skip: NonFiniteReport) -> NonFiniteReport:
+        """Count a GradScaler skip; ``skip`` itself while skips are what the scaler is for,
+        or a fault (the run's first skip, its detail saying why) once ``max_skips`` optimizer
+        steps in a row were skipped or the scale fell below ``scale_floor``. Skips at one
+        scale (micro-steps of one accumulated step) count once: the scale moves only when
+        the scaler updates."""
+        self._skipped_now = True
+        scale = self._scale()
+        if self._skip_first is None or scale is None or scale != self._skip_scale:
+            self._skips += 1
+        self._skip_scale = scale
+        first = self._skip_first = self._skip_first or skip
+        low = scale is not None and scale < self.scale_floor
+        if self._skips < self.max_skips and not low:
+            return skip
+        shown = f"{scale:.3g}" if scale is not None else "?"
+        why = (
+            f"its scale fell to {shown}, below the floor {self.scale_floor:.3g}"
+            if low
+            else f"its scale fell to {shown}"
+        )
+        reason = (
+            f"the GradScaler skipped {self._skips} optimizer step(s) in a row (backwards {first.step}-"
+            f"{skip.step}) and {why}: a gradient that stays non-finite however far the loss is scaled "
+            "down, not an overflow"
+        )
+        detail = first.detail.replace("; the GradScaler skips this step and lowers its scale", "")
+        return replace(first, kind="fault", detail=f"{detail}; {reason}", this_rank=self.rank)
+
+    def _scale(self) -> float | None:
+        """The GradScaler's current scale (``get_scale()``, a host sync on CUDA: read only
+        on a skip), or None where it cannot be read."""
+        try:
+            return float(self.scaler.get_scale())
+        except Exception:  # a scaler-like object without it: count every skip
+            return None
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -1171,6 +1285,8 @@ def watch(
     record_dir: str | Path | bool | None = None,
     localize: bool = True,
     comm_hook: bool | None = None,
+    max_skips: int = MAX_SKIPS,
+    scale_floor: float = SCALE_FLOOR,
 ) -> Watcher:
     """Watch ``model`` (a module, ``DistributedDataParallel``, ``nn.DataParallel``,
     ``VirtualDataParallel`` or ``torch.compile``\\ d) for the first non-finite value.
@@ -1179,10 +1295,13 @@ def watch(
     rank), ``"warn"`` (:class:`NonFiniteWarning`) or ``"record"`` (only ``watcher.report``
     and the JSON record). ``scaler``: the ``torch.amp.GradScaler`` in use — a gradient
     overflow it skips is noted in ``watcher.events`` as ``scaler-skip``, not reported as a
-    fault. ``root``: the module whose paths name modules (default: the model inside its
-    wrappers). ``record_dir``: where ``watch-rank<R>.json`` goes on a fault (default
-    ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``; False: none). ``localize=False`` keeps
-    no module outputs (less memory; a forward fault is named at the model's output).
+    fault — until ``max_skips`` (20) optimizer steps in a row were skipped, or one at a scale
+    below ``scale_floor`` (2**-14): then the run of skips is the fault. ``root``: the module
+    whose paths name modules (default: the model inside its wrappers). ``record_dir``: where
+    ``watch-rank<R>.json`` goes on a fault (default ``$GPUDIAG_WATCH_DIR`` or
+    ``./gpudiag-watch``; False: none; a link or a FIFO there is warned about, not written).
+    ``localize=False`` keeps no module outputs (less memory; a forward fault is named at the
+    model's output).
     ``comm_hook`` (DDP): None (default) leaves DDP's own C++ all-reduce (or your comm hook)
     alone and reads each rank's gradients once at the end of the backward, before DDP's
     finalize overwrites them — unless the model has ``gradient_as_bucket_view=True``, then
@@ -1199,4 +1318,6 @@ def watch(
         record_dir=record_dir,
         localize=localize,
         comm_hook=comm_hook,
+        max_skips=max_skips,
+        scale_floor=scale_floor,
     )
