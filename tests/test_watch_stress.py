@@ -178,6 +178,42 @@ def test_an_inf_output_that_reaches_the_gradients_or_a_nan_anywhere_is_still_a_f
         assert watcher.report is None and watcher.step == 1
 
 
+def _ddp_policy_rank(rank: int, world: int, bad_step: int) -> bytes:
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    policy = Policy()
+    models.poison(policy.body[2], lambda: rank == 1 and watcher.step == bad_step)
+    ddp = DistributedDataParallel(policy)
+    watcher = gpudiag.watch(ddp, "record", record_dir=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        obs, legal, action = policy_batch(g)
+        nn.functional.cross_entropy(ddp(obs, legal), action).backward()
+        opt.step()
+        opt.zero_grad()
+    report = watcher.report
+    watcher.close()
+    found = None if report is None else [report.step, report.rank, report.module, report.phase]
+    return json.dumps(found).encode()
+
+
+@pytest.mark.parametrize("bad_step", [-1, 2], ids=["clean", "nan-on-rank-1"])
+def test_ddp_action_masked_logits_every_rank_agrees(bad_step: int) -> None:
+    import json
+
+    from gpudiag.runtime.launch import launch
+
+    found = [
+        json.loads(bytes(b))
+        for b in launch(_ddp_policy_rank, 2, args=(bad_step,), timeout=120, method="fork")
+    ]
+    assert found == ([None, None] if bad_step < 0 else [[2, 1, "body.2", "forward"]] * 2)
+
+
 # -- GradScaler: a run of skips ------------------------------------------------------------
 
 
