@@ -268,22 +268,53 @@ def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return _witness(tensors)
 
 
-def _witness(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One float32 value per tensor, non-finite whenever any of its elements is."""
+def _host_witnesses(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A few 0-dimensional float values over CPU gradients, one of them non-finite whenever
+    any gradient element is (which gradient: :func:`_grad_witness`, taken only then). A
+    small model's step is made of per-tensor costs — each reduction torch starts costs about
+    4 us on the CPU whatever its size, and a small transformer has 29 gradients — so: the
+    1-dimensional gradients (biases, norms' weights: most of them, and small) concatenated
+    and summed in one reduction, the others' norms in one call (``torch._foreach_norm``,
+    its loop in C++), a sum per gradient for half precision (whose norm would overflow
+    float16 where the values do not) or a torch without it. A value that overflowed on
+    finite elements is found clean by the exact count taken only then."""
+    if not grads:
+        return []
+    norms = getattr(torch, "_foreach_norm", None)  # (private: a torch without it sums)
     with torch.no_grad():
+        if norms is None or grads[0].dtype not in (torch.float32, torch.float64):
+            return [_sum32(g) for g in grads]
+        flat = [g for g in grads if g.dim() == 1]
+        rest = [g for g in grads if g.dim() != 1] if flat else grads
+        out = list(norms(rest)) if rest else []
+        if len(flat) > 1:
+            out.append(torch.cat(flat).sum())
+        elif flat:
+            out.append(flat[0].sum())
+        return out
+
+
+def _witness(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 value per tensor, non-finite whenever any of its elements is: a
+    0-dimensional tensor for one tensor (the usual model output: one op), else a vector."""
+    with torch.no_grad():
+        if len(tensors) == 1:
+            return _sum32(tensors[0])
         return torch.stack([_sum32(t) for t in tensors])
 
 
 def _sum32(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's sum as a float32 scalar: float32 summed as it is, half precision
-    accumulated in float32, float64 summed then rounded, complex over its parts."""
+    """A tensor's sum as a 0-dimensional float32 tensor: float32 summed as it is, half
+    precision accumulated in float32, float64 summed then rounded, complex over its parts.
+    (One op for float32: each op costs several microseconds from Python in a training
+    step, which is what a watched small model's steps are made of.)"""
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype == torch.float32:
-        return t.sum().reshape(())
+        return t.sum()
     if t.dtype == torch.float64:
-        return t.sum().float().reshape(())
-    return t.sum(dtype=torch.float32).reshape(())
+        return t.sum().float()
+    return t.sum(dtype=torch.float32)
 
 
 class Watcher:
@@ -313,7 +344,8 @@ class Watcher:
         self._skip_scale: float | None = None  # the scale at the last of them
         self._skip_first: NonFiniteReport | None = None  # the first of them
         self._skipped_now = False  # this backward's check noted a skip
-        _end_of_backward_callback()  # refused here, not in the middle of the user's backward
+        #: autograd's end-of-backward queue (refused here, not in the middle of the user's backward)
+        self._queue = _end_of_backward_callback()
         if not isinstance(model, nn.Module):
             raise InputError(f"gpudiag.watch needs a torch.nn.Module, got {type(model).__name__}")
         ref = _WATCHING.get(model)
@@ -380,12 +412,16 @@ class Watcher:
         self.events: list[NonFiniteReport] = []  # the fault and every GradScaler-skipped overflow
         self._handles: list[Any] = []
         self._trail: list[_Seen] = []
-        self._order: dict[str, int] = {}  # module path → first position in forward order (let-go forwards)
+        #: the module paths of this step's forwards let go already, in the order they ran
+        self._order: list[list[str]] = []
         self._early: _Local | None = None  # a forward fault found as the forward ended (CPU)
         #: an output held an Inf but no NaN (masked logits): judged by the gradients, so on the
         #: CPU the module outputs are kept to the end of the backward to name it if they go bad
         self._holding = False
         self._inputs: list[Any] = []
+        #: on the CPU, the witnesses of this step's outputs as read when each forward ended
+        self._fwd_host: list[float] = []
+        self._fwd_device = False  # a witness of this step is on an accelerator (not read yet)
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
@@ -414,6 +450,8 @@ class Watcher:
         self._comm: _CommState | None = None
         self._param_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's sum)
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
+        #: every parameter, listed once (walking the modules for them costs ~0.1 ms a step)
+        self._all_params = list(self.inner.parameters())
         self._pre: _PreFinalize | None = None
         #: how DDP gradients are seen before the all-reduce (see :func:`watch`): "before-finalize",
         #: "bucket-hook" or "tensor-hooks"; "local" without DDP
@@ -452,13 +490,16 @@ class Watcher:
     def _module_hook(self, path: str) -> Any:
         trail = self._trail
 
+        grad_enabled = torch.is_grad_enabled
+        vdp = self.vdp
+
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if self.done or self._eval or not torch.is_grad_enabled() or len(trail) >= TRAIL_LIMIT:
+            # Run by every module on every forward: kept to a few attribute reads and one append.
+            if self.done or self._eval or not grad_enabled() or len(trail) >= TRAIL_LIMIT:
                 return
-            vdp = self.vdp
             versions: tuple[int, ...]
-            if isinstance(output, torch.Tensor):  # the usual case, without the generator
-                versions = (_version(output),) if output.is_floating_point() else ()
+            if type(output) is torch.Tensor:  # the usual case, without the generator
+                versions = (getattr(output, "_version", -1),) if output.is_floating_point() else ()
             else:
                 versions = tuple(_version(t) for t in _tensors(output))
             trail.append(
@@ -496,7 +537,10 @@ class Watcher:
         ``training_step``) pass it here; ``name`` is what a fault first seen in it is called."""
         if self.done or self.closed or not torch.is_grad_enabled():
             return
-        tensors = list(_tensors(output))
+        if type(output) is torch.Tensor:  # the usual case, without the generator
+            tensors = [output] if output.is_floating_point() or output.is_complex() else []
+        else:
+            tensors = list(_tensors(output))
         if not tensors:
             return
         self._dirty = True
@@ -506,7 +550,9 @@ class Watcher:
             if t.requires_grad:
                 self._awaiting = True
                 t.register_hook(self._on_output_grad)
-        if not witness.is_cuda:
+        if witness.is_cuda:
+            self._fwd_device = True
+        else:
             self._settle_forward(witness)
 
     def _settle_forward(self, witness: torch.Tensor) -> None:
@@ -515,7 +561,10 @@ class Watcher:
         go before the backward, so the allocator can reuse it. On CUDA that read would stall
         the queue: the outputs are kept to the end of the backward and read only if a
         witness read with everything else there is not finite."""
-        clean = bool(torch.isfinite(witness).all())
+        values = witness.tolist()  # one op: a float, or a list for several tensors
+        values = values if isinstance(values, list) else [values]
+        self._fwd_host.extend(values)
+        clean = all(math.isfinite(v) for v in values)
         verdict = "clean" if clean else self._forward_verdict(self._outputs[-1:])
         if verdict == "nan" and self._early is None:
             self._early = self._first_bad_output(nan_only=True)
@@ -523,8 +572,7 @@ class Watcher:
             self._holding = True  # judged by the gradients at the end of the backward
         if self._holding:
             return
-        for seen in self._trail:
-            self._order.setdefault(seen.path, len(self._order))
+        self._order.append([seen.path for seen in self._trail])
         self._trail.clear()
         self._inputs.clear()
         if clean:
@@ -540,9 +588,9 @@ class Watcher:
             self._out_grads_mark = len(self._out_grads)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
-            _end_of_backward_callback()(self._end_of_backward)
+            self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(_sum32(grad.detach()))
+            self._out_grads.append(_sum32(grad.detach() if grad.requires_grad else grad))
 
     def _grad_state(self) -> tuple[Any, ...] | None:
         """Which gradient tensor each parameter holds and its in-place version: a backward
@@ -577,7 +625,7 @@ class Watcher:
         befores = self._befores()
         if befores is not None:
             self._agreement = self._agree(befores)
-        _end_of_backward_callback()(self.after_backward)
+        self._queue(self.after_backward)
 
     def _befores(self) -> list[torch.Tensor] | None:
         """This DDP step's witnesses of each rank's own gradients before the all-reduce
@@ -729,17 +777,31 @@ class Watcher:
     def _check_local(self) -> None:
         """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
         values only, one read-back."""
-        params = [p for p in self.inner.parameters() if p.grad is not None]
-        outs = [w.reshape(-1) for w, _, _ in self._outputs]
-        grads = _grad_witness([p.grad for p in params])  # type: ignore[misc]
-        parts = [*outs, *(g.reshape(-1) for g in self._out_grads)]
-        device = parts[0].device if parts else grads.device
-        flat = torch.cat([*(t.to(device) for t in parts), grads.to(device)]).tolist()
-        n_out = sum(o.numel() for o in outs)
-        fwd, out_grads = flat[:n_out], flat[n_out : len(flat) - len(params)]
-        suspects = [
-            p for p, v in zip(params, flat[len(flat) - len(params) :], strict=True) if not math.isfinite(v)
-        ]
+        every = [p.grad for p in self._all_params]
+        if any(g is None for g in every):
+            params = [p for p, g in zip(self._all_params, every, strict=True) if g is not None]
+            grads: list[torch.Tensor] = [g for g in every if g is not None]
+        else:
+            params, grads = self._all_params, every  # type: ignore[assignment]
+        if not self._fwd_device and not any(g.is_cuda for g in self._out_grads[:1] + grads[:1]):
+            # The CPU: the forward was read as it ended; one read-back of the rest, in as
+            # few ops as it takes (one multi-tensor norm, one stack, one read).
+            parts = [*self._out_grads, *_host_witnesses(grads)]
+            flat = torch.stack(parts).tolist() if parts else []
+            if math.isfinite(sum(flat) + sum(self._fwd_host)):
+                return  # the usual step (a sum that overflowed on finite values: looked at below)
+            fwd, out_grads = self._fwd_host, flat[: len(self._out_grads)]
+            values = _grad_witness(grads).tolist()  # which gradients: one value each
+        else:
+            outs = [w.reshape(-1) for w, _, _ in self._outputs]
+            witness = _grad_witness(grads)
+            parts = [*outs, *(g.reshape(-1) for g in self._out_grads)]
+            device = parts[0].device if parts else witness.device
+            flat = torch.cat([*(t.to(device) for t in parts), witness.to(device)]).tolist()
+            n_out = sum(o.numel() for o in outs)
+            fwd, out_grads = flat[:n_out], flat[n_out : len(flat) - len(params)]
+            values = flat[len(flat) - len(params) :]
+        suspects = [p for p, v in zip(params, values, strict=True) if not math.isfinite(v)]
         bad_grads = [(p, c) for p in suspects if (c := int((~torch.isfinite(p.grad)).sum()))]  # type: ignore[arg-type]
         local = self._diagnose(fwd, out_grads, bad_grads)
         if self.ddp is not None:  # no_sync: agreed on at the next synchronised backward
@@ -932,6 +994,8 @@ class Watcher:
         self._trail.clear()
         self._inputs.clear()
         self._outputs.clear()
+        self._fwd_host.clear()
+        self._fwd_device = False
         self._out_grads.clear()
         self._order.clear()
         self._early = None
@@ -1045,9 +1109,9 @@ class Watcher:
     def _bad_gradient(self, bad_grads: list[tuple[Any, int]]) -> _Local:
         """The first module in backward order (the last in forward order) whose
         parameters' own gradients were non-finite."""
-        order = dict(self._order)
-        for seen in self._trail:
-            order.setdefault(seen.path, len(order))
+        order: dict[str, int] = {}
+        for path in [*(p for paths in self._order for p in paths), *(seen.path for seen in self._trail)]:
+            order.setdefault(path, len(order))
 
         def rank(item: tuple[Any, int]) -> tuple[int, int]:
             return order.get(self.owner.get(id(item[0]), ""), -1), self.index.get(id(item[0]), -1)
