@@ -218,6 +218,36 @@ def _user_stacklevel() -> int:
     return 1
 
 
+#: Activations that make a finite output of a finite input (bounded, or at most |x|): a
+#: non-finite value never arises in them, so their forward hooks (what a hook costs is most
+#: of what watching costs a small model: torch's slow call path) would name nothing.
+_CANNOT_ARISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.ELU,
+)
+
+
+def _says_nothing(module: nn.Module) -> bool:
+    """Whether a module's forward hook could never name a fault's origin, so it is not
+    hooked: an ``nn.Sequential`` (its output is its last child's, its input its first's),
+    ``nn.Identity``, and the activations of :data:`_CANNOT_ARISE` unless ``inplace`` (an
+    in-place one is hooked: it tells a module's output changed by it from one changed by
+    other code, :meth:`_Seen.changed_since`)."""
+    kind = type(module)
+    if kind is nn.Sequential or kind is nn.Identity:
+        return True
+    return kind in _CANNOT_ARISE and not getattr(module, "inplace", False)
+
+
 @functools.cache
 def _versioned() -> bool:
     """Whether this torch's tensors have in-place version counters (see :func:`_version`)."""
@@ -411,7 +441,9 @@ class Watcher:
         self.report: NonFiniteReport | None = None
         self.events: list[NonFiniteReport] = []  # the fault and every GradScaler-skipped overflow
         self._handles: list[Any] = []
-        self._trail: list[_Seen] = []
+        #: this forward's module calls as the hooks saw them: _Seen's fields as a tuple (a
+        #: tuple is quicker to make, and almost never read: :meth:`_seen`)
+        self._trail: list[tuple[Any, ...]] = []
         #: the module paths of this step's forwards let go already, in the order they ran
         self._order: list[list[str]] = []
         self._early: _Local | None = None  # a forward fault found as the forward ended (CPU)
@@ -444,7 +476,8 @@ class Watcher:
         self._handles.append(model.register_forward_pre_hook(self._pre_root))
         if localize and not self.compiled:
             for path, module in self.inner.named_modules():
-                self._handles.append(module.register_forward_hook(self._module_hook(path)))
+                if not _says_nothing(module):
+                    self._handles.append(module.register_forward_hook(self._module_hook(path)))
         # after the module hooks: where the model is its own root, its output is kept first
         self._handles.append(model.register_forward_hook(self._post_root))
         self._comm: _CommState | None = None
@@ -502,9 +535,7 @@ class Watcher:
                 versions = (getattr(output, "_version", -1),) if output.is_floating_point() else ()
             else:
                 versions = tuple(_version(t) for t in _tensors(output))
-            trail.append(
-                _Seen(path, module, inputs, output, vdp.transport.replica if vdp else None, versions)
-            )
+            trail.append((path, module, inputs, output, vdp.transport.replica if vdp else None, versions))
 
         return hook
 
@@ -572,7 +603,7 @@ class Watcher:
             self._holding = True  # judged by the gradients at the end of the backward
         if self._holding:
             return
-        self._order.append([seen.path for seen in self._trail])
+        self._order.append([seen[0] for seen in self._trail])
         self._trail.clear()
         self._inputs.clear()
         if clean:
@@ -1017,10 +1048,14 @@ class Watcher:
             verdict = "inf"
         return verdict
 
+    def _seen(self) -> list[_Seen]:
+        """This forward's module calls, in the order they returned."""
+        return [_Seen(*seen) for seen in self._trail]
+
     def _nan_arose_from_finite(self) -> bool:
         """Whether the first kept module output holding a NaN had finite inputs: the NaN
         arose there, and an Inf before it (a masked score) is not its origin."""
-        for seen in self._trail:
+        for seen in self._seen():
             if _has_nan(seen.output):
                 return not _bad_count(seen.inputs)[0]
         return False
@@ -1037,11 +1072,12 @@ class Watcher:
             if bad:
                 return self._local_at("input", "<input>", f"{bad} of {total} input values were non-finite")
         suspects: list[str] = []
-        for i, seen in enumerate(self._trail):
+        trail = self._seen()
+        for i, seen in enumerate(trail):
             bad, total = _bad_count(seen.output, nan_only)
             if not bad:
                 continue
-            if seen.changed_since(self._trail[i + 1 :]):
+            if seen.changed_since(trail[i + 1 :]):
                 suspects.append(seen.path)  # changed in place later: judged by what came after
                 continue
             stale = self._bad_parameter(seen.module)
@@ -1110,7 +1146,7 @@ class Watcher:
         """The first module in backward order (the last in forward order) whose
         parameters' own gradients were non-finite."""
         order: dict[str, int] = {}
-        for path in [*(p for paths in self._order for p in paths), *(seen.path for seen in self._trail)]:
+        for path in [*(p for paths in self._order for p in paths), *(seen[0] for seen in self._trail)]:
             order.setdefault(path, len(order))
 
         def rank(item: tuple[Any, int]) -> tuple[int, int]:
