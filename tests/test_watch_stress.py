@@ -342,3 +342,43 @@ def test_a_link_or_fifo_at_the_record_path_is_warned_and_training_goes_on(
     if planted == "symlink":
         assert (folder / "watch-rank0.json").is_symlink()
     watcher.close()
+
+
+# -- the cheaper clean step misses nothing ------------------------------------------------
+
+
+def test_a_nan_in_any_single_gradient_is_found_and_named_by_its_parameter() -> None:
+    """The clean CPU step reads the gradients as one multi-tensor norm and one sum over the
+    1-D ones: a NaN in any one gradient element (matrix, bias, norm weight, embedding)
+    is still found at its step and named by its parameter's module."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    tokens = torch.randint(0, 11, (2, 5))
+    names = [n for n, p in model.named_parameters()]
+    for name in names:
+        param = model.get_parameter(name)
+        handle = param.register_hook(
+            lambda g: g.flatten().index_fill(0, torch.tensor([0]), math.nan).view_as(g)
+        )
+        with gpudiag.watch(model, "record", record_dir=False) as watcher:
+            out = model(tokens)
+            nn.functional.cross_entropy(out["logits"].reshape(-1, 11), tokens.reshape(-1)).backward()
+            report = watcher.report
+            assert report is not None, name
+            assert (report.step, report.phase) == (0, "backward"), (name, report)
+            assert report.module == name.rpartition(".")[0], (name, report)
+            assert f"gradient of {name}: 1 NaN/Inf" in report.detail, (name, report.detail)
+        handle.remove()
+        model.zero_grad()
+
+
+def test_modules_that_could_name_nothing_are_not_hooked() -> None:
+    net = nn.Sequential(
+        nn.Linear(4, 4), nn.ReLU(), nn.ReLU(inplace=True), nn.Identity(), nn.GELU(), nn.Linear(4, 2)
+    )
+    before = {id(m): len(m._forward_hooks) for m in net.modules()}
+    with gpudiag.watch(net, record_dir=False):
+        hooked = [type(m).__name__ for m in net.modules() if len(m._forward_hooks) > before[id(m)]]
+    # the root Sequential has the watcher's own root hooks; inside it only what can name an origin
+    assert hooked == ["Sequential", "Linear", "ReLU", "Linear"]
+    assert net[2].inplace

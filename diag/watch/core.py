@@ -4,14 +4,16 @@ Cost model (a clean step):
 
 - every module's forward hook keeps a *reference* to its output (no computation; the
   tensors are the ones autograd keeps for backward anyway) — only read when a step goes
-  bad, to name the first module whose output was non-finite;
+  bad, to name the first module whose output was non-finite; modules whose hook could
+  name nothing are not hooked (:func:`_says_nothing`);
 - the model's outputs get one float32 sum each (a witness: non-finite whenever any element
   is) and a gradient hook whose sum witnesses the gradient coming in from the loss;
 - gradients: under DDP, each rank's own gradients are witnessed in one pass at the end of
   the backward, before DDP's finalize copies the all-reduced buckets over them (DDP keeps
   its C++ all-reduce; :func:`_grad_path` names the other ways, for bucket-view gradients),
   and what came back is witnessed after it; elsewhere (single device, DataParallel,
-  ``no_sync`` micro-steps) one witness per parameter gradient (:func:`_grad_witness`);
+  ``no_sync`` micro-steps) one witness per parameter gradient (:func:`_grad_witness`),
+  on the CPU a few over all of them (:func:`_host_witnesses`);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
   received non-finite from the all-reduce) is all-reduced (MIN) on the way, so every rank
@@ -966,11 +968,12 @@ class Watcher:
             return transfer
         if any(not math.isfinite(v) for v in fwd):
             # A NaN in the model's outputs (or a non-finite loss given to observe()) is a
-            # fault; an Inf alone (masked logits, an unused entry) only if the gradients
-            # went non-finite too.
+            # fault; an Inf alone (masked logits, an unused entry) only if it reached the
+            # loss's gradient: the gradient flowing into the outputs went non-finite. (Other
+            # non-finite gradients beside a masked output are the backward's, named below.)
             verdict = self._forward_verdict(self._outputs)
-            grads_bad = bool(bad_grads) or any(not math.isfinite(v) for v in out_grads)
-            if verdict == "nan" or (verdict == "inf" and grads_bad):
+            reached = any(not math.isfinite(v) for v in out_grads)
+            if verdict == "nan" or (verdict == "inf" and reached):
                 found = self._first_bad_output(nan_only=verdict == "nan")
                 if found is not None:
                     return found
