@@ -582,11 +582,25 @@ class Watcher:
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
-                t.register_hook(self._on_output_grad)
+                self._hook_gradient(t)
         if witness.is_cuda:
             self._fwd_device = True
         else:
             self._settle_forward(witness)
+
+    def _hook_gradient(self, t: torch.Tensor) -> None:
+        """Have :meth:`_on_output_grad` see the gradient flowing into output ``t``: a
+        pre-hook on the autograd node that made it (less than half of what ``Tensor.register_hook``
+        costs, which builds a Python hook dictionary and handle on every step's output),
+        picking ``t``'s own gradient among the node's; a tensor hook where ``t`` has no node
+        (a leaf) or the node takes no pre-hooks."""
+        node = t.grad_fn
+        prehook = getattr(node, "register_prehook", None)
+        if prehook is None:
+            t.register_hook(self._on_output_grad)
+            return
+        index, seen = t.output_nr, self._on_output_grad
+        prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
 
     def _settle_forward(self, witness: torch.Tensor) -> None:
         """On the CPU a witness is read without a sync: the forward is judged as it ends
