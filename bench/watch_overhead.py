@@ -1,39 +1,46 @@
-"""Cost of ``gpudiag.watch``: a watched DDP training step against the same step unwatched.
+"""Cost of ``gpudiag.watch``: watched training steps against the same steps unwatched, on
+four model sizes — the curve docs/watch.md states.
 
-    .venv/bin/python bench/watch_overhead.py [--steps 150] [--warmup 3] [--kinds plain,watched]
+    .venv/bin/python bench/watch_overhead.py [--models mlp,transformer,resnet18,ddp-resnet18]
+        [--steps N] [--warmup 3] [--kinds plain,watched]
     python3 bench/watch_overhead.py --device cuda [--world 1] [--steps 100] [--warmup 10]
 
-``--device cpu`` (default): DDP over gloo, 2 ranks on the CPU, torchvision resnet18, a
-global batch of 32 images of 3x64x64 (16 per rank), SGD — the configuration of
-``runtime_overhead.py`` — with the machine's cores shared out between the ranks
-(``torch.set_num_threads``). ``--device cuda``: DDP over NCCL, one rank per GPU (``--world``,
-default 1): resnet18 batch 32 at 64 px, resnet50 batch 64 at 224 px.
+The models (``--models``, all four by default), from the smallest step to the largest:
 
-Each rank holds DDP models of the same weights (``--kinds``; by default ``plain`` and
-``watched``, ``--kinds plain,hooked,watched,watched-bucket`` for all four), stepped
+- ``mlp``: 12 × (``Linear(128, 128)``, ``ReLU``) and a ``Linear(128, 10)`` — 25 modules,
+  batch 32 (about 1.5 ms a step on one CPU thread);
+- ``transformer``: a small pre-norm transformer language model — ``Embedding(256, 64)``,
+  2 blocks of (``LayerNorm``, ``MultiheadAttention(64, 4 heads)``, ``LayerNorm``, an MLP
+  64→256→64 with ``GELU``), a final ``LayerNorm`` and a ``Linear(64, 256)`` head; 23
+  modules, batch 8 × 32 tokens, cross-entropy on the tokens (about 7 ms);
+- ``resnet18``: torchvision's, 10 classes, batch 16 at 64 px;
+- ``ddp-resnet18``: DDP over gloo, 2 ranks (``--world``), torchvision resnet18, global
+  batch 32 at 64 px (16 per rank), the machine's cores shared out between the ranks.
+
+The first three run in this process, on one thread on the CPU (``torch.set_num_threads(1)``:
+figures that a shared machine's other load disturbs least); ``--device cuda`` runs them on
+``cuda:0`` and ``ddp-resnet18`` (and ``ddp-resnet50``, batch 64 at 224 px) with one NCCL rank
+per GPU.
+
+Each process holds models of the same weights (``--kinds``; by default ``plain`` and
+``watched``, for DDP also ``--kinds plain,hooked,watched,watched-bucket``), stepped
 round-robin (the order rotates every step) so all see the same machine load:
 
-- ``plain``: DDP as users run it (no comm hook: the reducer's C++ all-reduce) — the baseline;
-- ``hooked``: DDP with torch's Python ``allreduce_hook``, for reference (what any Python
-  comm hook costs before it does anything);
-- ``watched``: ``gpudiag.watch(ddp)`` as users call it — module hooks, output witnesses,
-  DDP's own C++ all-reduce with each rank's gradients witnessed in one pass before DDP's
-  finalize and once after, the per-step MIN all-reduce and one read-back;
-- ``watched-bucket``: ``gpudiag.watch(ddp, comm_hook=True)`` — the same, but through the
-  runtime's Python comm hook (torch's ``allreduce_hook`` plus each bucket's norm), the way
-  models with ``gradient_as_bucket_view=True`` are watched.
+- ``plain``: the model as users run it (DDP without a comm hook: the reducer's C++
+  all-reduce) — the baseline;
+- ``hooked`` (DDP only): DDP with torch's Python ``allreduce_hook``, for reference;
+- ``watched``: ``gpudiag.watch(model)`` as users call it;
+- ``watched-bucket`` (DDP only): ``gpudiag.watch(ddp, comm_hook=True)``, the way models
+  with ``gradient_as_bucket_view=True`` are watched.
 
-A step is zero_grad, forward, loss, backward, optimizer step, and the loss read back (a
-host sync, as a training loop's logging does). Beside the step times it prints each kind's
-CPU time against plain's: the whole process's, and the training thread's (paired per
-round) — the work watching adds, which a loaded machine's preemptions hardly move.
-
-Prints the median and the best step over ``--steps`` steps after ``--warmup`` (the best is
-what a loaded machine disturbs least) and, as its last line, ``watched/plain = R`` —
-gpudiag.watch's default against plain DDP as the median over steps of each round's ratio
-(the kinds of one round run back to back, so a load that comes and goes on a shared machine
-hits both sides of a ratio alike; the ratio of the medians is printed too), on CUDA the
-worst configuration's; the target is R <= 1.03.
+A step is zero_grad, forward, loss, backward, optimizer step (SGD), and the loss read back
+(a host sync, as a training loop's logging does). Per model it prints the median and the
+best step time, each kind's ratio to plain as the median over rounds of each round's ratio
+(*paired*: the kinds of one round run back to back, so a load that comes and goes hits both
+sides alike), the ratio of the medians, and the training thread's CPU time, paired. The
+last line is ``watched/plain = R``: the worst model's paired median, with every model's
+after it (the curve). Targets (docs/watch.md): ``transformer`` ≤ 1.05, ``ddp-resnet18``
+≤ 1.03.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -54,11 +62,126 @@ from gpudiag.runtime.launch import launch
 from gpudiag.runtime.wire import pack, unpack
 
 KINDS = ("plain", "hooked", "watched", "watched-bucket")
-#: (model, global batch, image side) per device.
-CONFIGS = {
-    "cpu": [("resnet18", 32, 64)],
-    "cuda": [("resnet18", 32, 64), ("resnet50", 64, 224)],
+#: The models run in this process (on one CPU thread, or cuda:0).
+SINGLE = ("mlp", "transformer", "resnet18")
+#: DDP models: (torchvision model, global batch, image side).
+DDP = {"ddp-resnet18": ("resnet18", 32, 64), "ddp-resnet50": ("resnet50", 64, 224)}
+MODELS = {
+    "cpu": "mlp,transformer,resnet18,ddp-resnet18",
+    "cuda": "mlp,transformer,resnet18,ddp-resnet18,ddp-resnet50",
 }
+#: Rounds per model by default: more for short steps, whose single ratios swing more.
+STEPS = {"mlp": 600, "transformer": 300, "resnet18": 60, "ddp-resnet18": 150, "ddp-resnet50": 100}
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block: attention and an MLP, each around a LayerNorm."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class _TinyLM(torch.nn.Module):
+    """The ``transformer`` model: 23 modules, 2 blocks of width 64, a vocabulary of 256."""
+
+    def __init__(self, vocab: int = 256, width: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*[_Block(width) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.blocks(self.embed(tokens))))
+
+
+def _single_case(name: str, target: torch.device) -> tuple[Any, Any]:
+    """(make a model, the step's loss given a model) for one of :data:`SINGLE`."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        x = torch.randn(32, 128, generator=g).to(target)
+        y = torch.randint(0, 10, (32,), generator=g).to(target)
+
+        def mlp() -> nn.Module:
+            layers: list[nn.Module] = []
+            for _ in range(12):
+                layers += [nn.Linear(128, 128), nn.ReLU()]
+            return nn.Sequential(*layers, nn.Linear(128, 10))
+
+        return mlp, lambda model: F.cross_entropy(model(x), y)
+    if name == "transformer":
+        tokens = torch.randint(0, 256, (8, 32), generator=g).to(target)
+        return _TinyLM, lambda model: F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    import torchvision
+
+    images = torch.randn(16, 3, 64, 64, generator=g).to(target)
+    labels = torch.randint(0, 10, (16,), generator=g).to(target)
+    return (
+        lambda: torchvision.models.resnet18(num_classes=10),
+        lambda model: F.cross_entropy(model(images), labels),
+    )
+
+
+def _single(name: str, device: str, steps: int, warmup: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """One process: plain and watched models of one size stepped round-robin."""
+    target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    make, loss_of = _single_case(name, target)
+    models = {}
+    watchers = []
+    for kind in kinds:
+        torch.manual_seed(0)
+        model = make().to(target)
+        if kind == "watched":
+            watchers.append(gpudiag.watch(model, "raise", record_dir=False))
+        models[kind] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+    result = _rounds(models, loss_of, kinds, steps, warmup)
+    assert all(w.step == warmup + steps and w.report is None for w in watchers)
+    for w in watchers:
+        w.close()
+    return result
+
+
+def _rounds(
+    models: dict[str, Any], loss_of: Any, kinds: tuple[str, ...], steps: int, warmup: int
+) -> dict[str, Any]:
+    """Step each kind's model once per round, the order rotating; the step times (wall),
+    this process's CPU time and the training thread's, per kind, after ``warmup`` rounds."""
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}  # this process's CPU time, all threads
+    work: dict[str, list[float]] = {kind: [] for kind in kinds}  # the training thread's CPU time
+    for i in range(warmup + steps):
+        order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
+        for kind in order:
+            model, optimizer = models[kind]
+            start, cpu_start, work_start = time.perf_counter(), time.process_time(), time.thread_time()
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(model)
+            loss.backward()
+            optimizer.step()
+            float(loss.detach())
+            if i >= warmup:
+                times[kind].append(time.perf_counter() - start)
+                cpu[kind].append(time.process_time() - cpu_start)
+                work[kind].append(time.thread_time() - work_start)
+    return {"wall": times, "cpu": cpu, "work": work}
 
 
 def _rank(
@@ -98,98 +221,108 @@ def _rank(
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, side, side, generator=g).chunk(world)[rank].to(target)
     y = torch.randint(0, 10, (batch,), generator=g).chunk(world)[rank].to(target)
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}  # this process's CPU time, all threads
-    work: dict[str, list[float]] = {kind: [] for kind in kinds}  # the training thread's CPU time
-    for i in range(warmup + steps):
-        order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
-        for kind in order:
-            ddp, optimizer = models[kind]
-            start, cpu_start, work_start = time.perf_counter(), time.process_time(), time.thread_time()
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp(x), y)
-            loss.backward()
-            optimizer.step()
-            float(loss.detach())
-            if i >= warmup:
-                times[kind].append(time.perf_counter() - start)
-                cpu[kind].append(time.process_time() - cpu_start)
-                work[kind].append(time.thread_time() - work_start)
+    result = _rounds(models, lambda model: F.cross_entropy(model(x), y), kinds, steps, warmup)
     assert all(w.step == warmup + steps and w.report is None for w in watchers)
     for w in watchers:
         w.close()
-    return pack({"wall": times, "cpu": cpu, "work": work})
+    return pack(result)
+
+
+def _summarise(title: str, raw: dict[str, Any], kinds: tuple[str, ...], steps: int) -> float:
+    """Print one model's figures (rank 0's under DDP); its paired watched/plain ratio."""
+    results = raw["wall"]
+    median = {kind: statistics.median(results[kind]) for kind in kinds}
+    best = {kind: min(results[kind]) for kind in kinds}
+    print(title)
+    for kind in kinds:
+        print(
+            f"  {kind:14s} median {median[kind] * 1e3:.2f} ms/step, best {best[kind] * 1e3:.2f} "
+            f"over {steps} steps"
+        )
+    for kind in kinds[1:]:
+        print(
+            f"  {kind}/plain = {median[kind] / median['plain']:.3f} "
+            f"(best/best {best[kind] / best['plain']:.3f})"
+        )
+    if "hooked" in kinds:
+        print(f"  watched/hooked = {median['watched'] / median['hooked']:.3f}")
+    paired = {
+        kind: statistics.median(a / b for a, b in zip(results[kind], results["plain"], strict=True))
+        for kind in kinds
+    }
+    print(
+        "  paired (median over rounds of each round's ratio): "
+        + ", ".join(f"{kind}/plain {paired[kind]:.3f}" for kind in kinds[1:])
+    )
+    cpu = {kind: statistics.median(raw["cpu"][kind]) for kind in kinds}
+    print(
+        "  CPU time of the process (what the watcher adds as work, not waiting): "
+        + ", ".join(f"{kind}/plain {cpu[kind] / cpu['plain']:.3f}" for kind in kinds[1:])
+    )
+    base = raw["work"]["plain"]
+    work = {
+        kind: statistics.median(a / b for a, b in zip(raw["work"][kind], base, strict=True)) for kind in kinds
+    }
+    print(
+        "  training thread's CPU time, paired (the work watching adds; a machine's load hardly "
+        "moves it): " + ", ".join(f"{kind}/plain {work[kind]:.3f}" for kind in kinds[1:])
+    )
+    ratios = sorted(a / b for a, b in zip(results["watched"], results["plain"], strict=True))
+    quarter = len(ratios) // 4
+    print(
+        f"  watched/plain per round: median {statistics.median(ratios):.3f}, "
+        f"interquartile {ratios[quarter]:.3f}-{ratios[-1 - quarter]:.3f} over {len(ratios)} rounds"
+    )
+    return paired["watched"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, 1 on cuda)")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument(
+        "--models", default=None, help=f"from {', '.join((*SINGLE, *DDP))} (default: {MODELS['cpu']})"
+    )
+    parser.add_argument("--world", type=int, default=None, help="DDP ranks (default: 2 on cpu, 1 on cuda)")
+    parser.add_argument("--steps", type=int, default=None, help=f"rounds per model (default: {STEPS})")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--kinds",
         default="plain,watched",
         help="the models stepped round-robin, plain and watched among them (fewer kinds: more rounds "
-        "in the same time, a tighter median)",
+        "in the same time, a tighter median; hooked and watched-bucket: DDP only)",
     )
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
     if kinds[0] != "plain" or "watched" not in kinds or not set(kinds) <= set(KINDS):
         parser.error(f"--kinds: plain first, watched among them, from {', '.join(KINDS)}")
+    names = (args.models or MODELS[args.device]).split(",")
+    unknown = [n for n in names if n not in SINGLE and n not in DDP]
+    if unknown:
+        parser.error(f"--models: {', '.join(unknown)}: expected names from {', '.join((*SINGLE, *DDP))}")
     world = args.world or (2 if args.device == "cpu" else 1)
     backend = "gloo" if args.device == "cpu" else "nccl"
-    worst = 0.0
-    for config in CONFIGS[args.device]:
-        task = (args.device, config, args.steps, args.warmup, kinds)
-        raw = [unpack(p) for p in launch(_rank, world, backend=backend, timeout=3600, args=task)]
-        results = [r["wall"] for r in raw]
-        median = {kind: statistics.median(results[0][kind]) for kind in kinds}
-        best = {kind: min(results[0][kind]) for kind in kinds}
-        name, batch, side = config
-        print(f"{name} batch {batch} at {side} px, {world} rank(s) over {backend}, torch {torch.__version__}")
-        for kind in kinds:
-            print(
-                f"  {kind:14s} median {median[kind] * 1e3:.2f} ms/step, best {best[kind] * 1e3:.2f} "
-                f"over {args.steps} steps (rank 0)"
-            )
-        for kind in kinds[1:]:
-            print(
-                f"  {kind}/plain = {median[kind] / median['plain']:.3f} "
-                f"(best/best {best[kind] / best['plain']:.3f})"
-            )
-        if "hooked" in kinds:
-            print(f"  watched/hooked = {median['watched'] / median['hooked']:.3f}")
-        paired = {
-            kind: statistics.median(a / b for a, b in zip(results[0][kind], results[0]["plain"], strict=True))
-            for kind in kinds
-        }
-        print(
-            "  paired (median over steps of each round's ratio): "
-            + ", ".join(f"{kind}/plain {paired[kind]:.3f}" for kind in kinds[1:])
+    curve: dict[str, float] = {}
+    for name in names:
+        steps = args.steps or STEPS[name]
+        if name in SINGLE:
+            single = tuple(k for k in kinds if k in ("plain", "watched"))
+            raw = _single(name, args.device, steps, args.warmup, single)
+            where = "1 CPU thread" if args.device == "cpu" else "cuda:0"
+            title = f"{name}, one process on {where}, torch {torch.__version__}"
+            curve[name] = _summarise(title, raw, single, steps)
+            continue
+        config = DDP[name]
+        task = (args.device, config, steps, args.warmup, kinds)
+        raw = unpack(launch(_rank, world, backend=backend, timeout=3600, args=task)[0])
+        model, batch, side = config
+        title = (
+            f"{name}: {model} batch {batch} at {side} px, {world} rank(s) over {backend}, "
+            f"torch {torch.__version__} (rank 0)"
         )
-        cpu = {kind: statistics.median(raw[0]["cpu"][kind]) for kind in kinds}
-        print(
-            "  CPU time of rank 0's process (what the watcher adds as work, not waiting): "
-            + ", ".join(f"{kind}/plain {cpu[kind] / cpu['plain']:.3f}" for kind in kinds[1:])
-        )
-        base = raw[0]["work"]["plain"]
-        work = {
-            kind: statistics.median(a / b for a, b in zip(raw[0]["work"][kind], base, strict=True))
-            for kind in kinds
-        }
-        print(
-            "  training thread's CPU time, paired (the work watching adds; a machine's load hardly "
-            "moves it): " + ", ".join(f"{kind}/plain {work[kind]:.3f}" for kind in kinds[1:])
-        )
-        ratios = sorted(a / b for a, b in zip(results[0]["watched"], results[0]["plain"], strict=True))
-        quarter = len(ratios) // 4
-        print(
-            f"  watched/plain per round: median {statistics.median(ratios):.3f}, "
-            f"interquartile {ratios[quarter]:.3f}-{ratios[-1 - quarter]:.3f} over {len(ratios)} rounds"
-        )
-        worst = max(worst, paired["watched"])
-    print(f"watched/plain = {worst:.3f} (paired median)")
+        curve[name] = _summarise(title, raw, kinds, steps)
+    worst = max(curve, key=lambda n: curve[n])
+    listed = ", ".join(f"{n} {r:.3f}" for n, r in curve.items())
+    print(f"watched/plain = {curve[worst]:.3f} (paired median, worst: {worst}; {listed})")
 
 
 if __name__ == "__main__":

@@ -4,14 +4,16 @@ Cost model (a clean step):
 
 - every module's forward hook keeps a *reference* to its output (no computation; the
   tensors are the ones autograd keeps for backward anyway) — only read when a step goes
-  bad, to name the first module whose output was non-finite;
+  bad, to name the first module whose output was non-finite; modules whose hook could
+  name nothing are not hooked (:func:`_says_nothing`);
 - the model's outputs get one float32 sum each (a witness: non-finite whenever any element
   is) and a gradient hook whose sum witnesses the gradient coming in from the loss;
 - gradients: under DDP, each rank's own gradients are witnessed in one pass at the end of
   the backward, before DDP's finalize copies the all-reduced buckets over them (DDP keeps
   its C++ all-reduce; :func:`_grad_path` names the other ways, for bucket-view gradients),
   and what came back is witnessed after it; elsewhere (single device, DataParallel,
-  ``no_sync`` micro-steps) one witness per parameter gradient (:func:`_grad_witness`);
+  ``no_sync`` micro-steps) one witness per parameter gradient (:func:`_grad_witness`),
+  on the CPU a few over all of them (:func:`_host_witnesses`);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
   received non-finite from the all-reduce) is all-reduced (MIN) on the way, so every rank
@@ -31,7 +33,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,15 @@ TRAIL_LIMIT = 100_000
 #: Forwards kept awaiting one backward (several losses, then one backward); beyond, the
 #: oldest are let go (a forward whose backward never comes keeps nothing for long).
 MAX_FORWARDS = 8
+#: GradScaler: skipped optimizer steps in a row (no clean backward between them) after which
+#: the skips are reported as a fault — a healthy run's scale falls from 2**16 to what its
+#: gradients need in a dozen or so halvings; twenty in a row is a gradient that stays
+#: non-finite at every scale (``max_skips=``).
+MAX_SKIPS = 20
+#: GradScaler: a skip at a scale below this is reported as a fault, in a row or not
+#: (``scale_floor=``): float16's smallest normal number, 2**-14 — gradients that overflow
+#: even scaled down 16384 times are not an overflow the scaler can fix.
+SCALE_FLOOR = 2.0**-14
 _INF = math.inf
 
 
@@ -210,6 +221,36 @@ def _user_stacklevel() -> int:
     return 1
 
 
+#: Activations that make a finite output of a finite input (bounded, or at most |x|): a
+#: non-finite value never arises in them, so their forward hooks (what a hook costs is most
+#: of what watching costs a small model: torch's slow call path) would name nothing.
+_CANNOT_ARISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.ELU,
+)
+
+
+def _says_nothing(module: nn.Module) -> bool:
+    """Whether a module's forward hook could never name a fault's origin, so it is not
+    hooked: an ``nn.Sequential`` (its output is its last child's, its input its first's),
+    ``nn.Identity``, and the activations of :data:`_CANNOT_ARISE` unless ``inplace`` (an
+    in-place one is hooked: it tells a module's output changed by it from one changed by
+    other code, :meth:`_Seen.changed_since`)."""
+    kind = type(module)
+    if kind is nn.Sequential or kind is nn.Identity:
+        return True
+    return kind in _CANNOT_ARISE and not getattr(module, "inplace", False)
+
+
 @functools.cache
 def _versioned() -> bool:
     """Whether this torch's tensors have in-place version counters (see :func:`_version`)."""
@@ -229,12 +270,13 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(item, depth + 1)
 
 
-def _bad_count(obj: Any) -> tuple[int, int]:
-    """(NaN/Inf count, element count) over the floating tensors of ``obj`` (exact; slow path)."""
+def _bad_count(obj: Any, nan_only: bool = False) -> tuple[int, int]:
+    """(NaN/Inf count, element count) over the floating tensors of ``obj`` (exact; slow
+    path); with ``nan_only`` the NaN count."""
     bad = total = 0
     for t in _tensors(obj):
         data = t.detach()
-        bad += int((~torch.isfinite(data)).sum())
+        bad += int((torch.isnan(data) if nan_only else ~torch.isfinite(data)).sum())
         total += data.numel()
     return bad, total
 
@@ -247,6 +289,11 @@ def _bucket_gradients(bucket: dist.GradBucket) -> list[torch.Tensor]:
     if not grads and len(bucket.parameters()) == 1:
         return [bucket.buffer()]
     return grads
+
+
+def _has_nan(obj: Any) -> bool:
+    """Whether any floating tensor of ``obj`` holds a NaN (exact; slow path)."""
+    return any(bool(torch.isnan(t.detach()).any()) for t in _tensors(obj))
 
 
 def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -266,22 +313,53 @@ def _grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return _witness(tensors)
 
 
-def _witness(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One float32 value per tensor, non-finite whenever any of its elements is."""
+def _host_witnesses(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A few 0-dimensional float values over CPU gradients, one of them non-finite whenever
+    any gradient element is (which gradient: :func:`_grad_witness`, taken only then). A
+    small model's step is made of per-tensor costs — each reduction torch starts costs about
+    4 us on the CPU whatever its size, and a small transformer has 29 gradients — so: the
+    1-dimensional gradients (biases, norms' weights: most of them, and small) concatenated
+    and summed in one reduction, the others' norms in one call (``torch._foreach_norm``,
+    its loop in C++), a sum per gradient for half precision (whose norm would overflow
+    float16 where the values do not) or a torch without it. A value that overflowed on
+    finite elements is found clean by the exact count taken only then."""
+    if not grads:
+        return []
+    norms = getattr(torch, "_foreach_norm", None)  # (private: a torch without it sums)
     with torch.no_grad():
+        if norms is None or grads[0].dtype not in (torch.float32, torch.float64):
+            return [_sum32(g) for g in grads]
+        flat = [g for g in grads if g.dim() == 1]
+        rest = [g for g in grads if g.dim() != 1] if flat else grads
+        out = list(norms(rest)) if rest else []
+        if len(flat) > 1:
+            out.append(torch.cat(flat).sum())
+        elif flat:
+            out.append(flat[0].sum())
+        return out
+
+
+def _witness(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 value per tensor, non-finite whenever any of its elements is: a
+    0-dimensional tensor for one tensor (the usual model output: one op), else a vector."""
+    with torch.no_grad():
+        if len(tensors) == 1:
+            return _sum32(tensors[0])
         return torch.stack([_sum32(t) for t in tensors])
 
 
 def _sum32(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's sum as a float32 scalar: float32 summed as it is, half precision
-    accumulated in float32, float64 summed then rounded, complex over its parts."""
+    """A tensor's sum as a 0-dimensional float32 tensor: float32 summed as it is, half
+    precision accumulated in float32, float64 summed then rounded, complex over its parts.
+    (One op for float32: each op costs several microseconds from Python in a training
+    step, which is what a watched small model's steps are made of.)"""
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype == torch.float32:
-        return t.sum().reshape(())
+        return t.sum()
     if t.dtype == torch.float64:
-        return t.sum().float().reshape(())
-    return t.sum(dtype=torch.float32).reshape(())
+        return t.sum().float()
+    return t.sum(dtype=torch.float32)
 
 
 class Watcher:
@@ -297,10 +375,22 @@ class Watcher:
         record_dir: str | Path | bool | None = None,
         localize: bool = True,
         comm_hook: bool | None = None,
+        max_skips: int = MAX_SKIPS,
+        scale_floor: float = SCALE_FLOOR,
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
-        _end_of_backward_callback()  # refused here, not in the middle of the user's backward
+        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
+            raise InputError(f"max_skips={max_skips!r}: expected a whole number of steps, 1 or more")
+        if not isinstance(scale_floor, (int, float)) or not 0 <= scale_floor < _INF:
+            raise InputError(f"scale_floor={scale_floor!r}: expected a finite scale, 0 or more")
+        self.max_skips, self.scale_floor = max_skips, float(scale_floor)
+        self._skips = 0  # GradScaler updates skipped in a row (no clean backward between)
+        self._skip_scale: float | None = None  # the scale at the last of them
+        self._skip_first: NonFiniteReport | None = None  # the first of them
+        self._skipped_now = False  # this backward's check noted a skip
+        #: autograd's end-of-backward queue (refused here, not in the middle of the user's backward)
+        self._queue = _end_of_backward_callback()
         if not isinstance(model, nn.Module):
             raise InputError(f"gpudiag.watch needs a torch.nn.Module, got {type(model).__name__}")
         ref = _WATCHING.get(model)
@@ -366,10 +456,19 @@ class Watcher:
         self.report: NonFiniteReport | None = None
         self.events: list[NonFiniteReport] = []  # the fault and every GradScaler-skipped overflow
         self._handles: list[Any] = []
-        self._trail: list[_Seen] = []
-        self._order: dict[str, int] = {}  # module path → first position in forward order (let-go forwards)
+        #: this forward's module calls as the hooks saw them: _Seen's fields as a tuple (a
+        #: tuple is quicker to make, and almost never read: :meth:`_seen`)
+        self._trail: list[tuple[Any, ...]] = []
+        #: the module paths of this step's forwards let go already, in the order they ran
+        self._order: list[list[str]] = []
         self._early: _Local | None = None  # a forward fault found as the forward ended (CPU)
+        #: an output held an Inf but no NaN (masked logits): judged by the gradients, so on the
+        #: CPU the module outputs are kept to the end of the backward to name it if they go bad
+        self._holding = False
         self._inputs: list[Any] = []
+        #: on the CPU, the witnesses of this step's outputs as read when each forward ended
+        self._fwd_host: list[float] = []
+        self._fwd_device = False  # a witness of this step is on an accelerator (not read yet)
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
@@ -392,12 +491,15 @@ class Watcher:
         self._handles.append(model.register_forward_pre_hook(self._pre_root))
         if localize and not self.compiled:
             for path, module in self.inner.named_modules():
-                self._handles.append(module.register_forward_hook(self._module_hook(path)))
+                if not _says_nothing(module):
+                    self._handles.append(module.register_forward_hook(self._module_hook(path)))
         # after the module hooks: where the model is its own root, its output is kept first
         self._handles.append(model.register_forward_hook(self._post_root))
         self._comm: _CommState | None = None
         self._param_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's sum)
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
+        #: every parameter, listed once (walking the modules for them costs ~0.1 ms a step)
+        self._all_params = list(self.inner.parameters())
         self._pre: _PreFinalize | None = None
         #: how DDP gradients are seen before the all-reduce (see :func:`watch`): "before-finalize",
         #: "bucket-hook" or "tensor-hooks"; "local" without DDP
@@ -436,18 +538,19 @@ class Watcher:
     def _module_hook(self, path: str) -> Any:
         trail = self._trail
 
+        grad_enabled = torch.is_grad_enabled
+        vdp = self.vdp
+
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            if self.done or self._eval or not torch.is_grad_enabled() or len(trail) >= TRAIL_LIMIT:
+            # Run by every module on every forward: kept to a few attribute reads and one append.
+            if self.done or self._eval or not grad_enabled() or len(trail) >= TRAIL_LIMIT:
                 return
-            vdp = self.vdp
             versions: tuple[int, ...]
-            if isinstance(output, torch.Tensor):  # the usual case, without the generator
-                versions = (_version(output),) if output.is_floating_point() else ()
+            if type(output) is torch.Tensor:  # the usual case, without the generator
+                versions = (getattr(output, "_version", -1),) if output.is_floating_point() else ()
             else:
                 versions = tuple(_version(t) for t in _tensors(output))
-            trail.append(
-                _Seen(path, module, inputs, output, vdp.transport.replica if vdp else None, versions)
-            )
+            trail.append((path, module, inputs, output, vdp.transport.replica if vdp else None, versions))
 
         return hook
 
@@ -480,7 +583,10 @@ class Watcher:
         ``training_step``) pass it here; ``name`` is what a fault first seen in it is called."""
         if self.done or self.closed or not torch.is_grad_enabled():
             return
-        tensors = list(_tensors(output))
+        if type(output) is torch.Tensor:  # the usual case, without the generator
+            tensors = [output] if output.is_floating_point() or output.is_complex() else []
+        else:
+            tensors = list(_tensors(output))
         if not tensors:
             return
         self._dirty = True
@@ -489,9 +595,25 @@ class Watcher:
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
-                t.register_hook(self._on_output_grad)
-        if not witness.is_cuda:
+                self._hook_gradient(t)
+        if witness.is_cuda:
+            self._fwd_device = True
+        else:
             self._settle_forward(witness)
+
+    def _hook_gradient(self, t: torch.Tensor) -> None:
+        """Have :meth:`_on_output_grad` see the gradient flowing into output ``t``: a
+        pre-hook on the autograd node that made it (less than half of what ``Tensor.register_hook``
+        costs, which builds a Python hook dictionary and handle on every step's output),
+        picking ``t``'s own gradient among the node's; a tensor hook where ``t`` has no node
+        (a leaf) or the node takes no pre-hooks."""
+        node = t.grad_fn
+        prehook = getattr(node, "register_prehook", None)
+        if prehook is None:
+            t.register_hook(self._on_output_grad)
+            return
+        index, seen = t.output_nr, self._on_output_grad
+        prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
 
     def _settle_forward(self, witness: torch.Tensor) -> None:
         """On the CPU a witness is read without a sync: the forward is judged as it ends
@@ -499,11 +621,18 @@ class Watcher:
         go before the backward, so the allocator can reuse it. On CUDA that read would stall
         the queue: the outputs are kept to the end of the backward and read only if a
         witness read with everything else there is not finite."""
-        clean = bool(torch.isfinite(witness).all())
-        if not clean and self._early is None:
-            self._early = self._first_bad_output()
-        for seen in self._trail:
-            self._order.setdefault(seen.path, len(self._order))
+        values = witness.tolist()  # one op: a float, or a list for several tensors
+        values = values if isinstance(values, list) else [values]
+        self._fwd_host.extend(values)
+        clean = all(math.isfinite(v) for v in values)
+        verdict = "clean" if clean else self._forward_verdict(self._outputs[-1:])
+        if verdict == "nan" and self._early is None:
+            self._early = self._first_bad_output(nan_only=True)
+        if verdict == "inf":
+            self._holding = True  # judged by the gradients at the end of the backward
+        if self._holding:
+            return
+        self._order.append([seen[0] for seen in self._trail])
         self._trail.clear()
         self._inputs.clear()
         if clean:
@@ -519,9 +648,9 @@ class Watcher:
             self._out_grads_mark = len(self._out_grads)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
-            _end_of_backward_callback()(self._end_of_backward)
+            self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(_sum32(grad.detach()))
+            self._out_grads.append(_sum32(grad.detach() if grad.requires_grad else grad))
 
     def _grad_state(self) -> tuple[Any, ...] | None:
         """Which gradient tensor each parameter holds and its in-place version: a backward
@@ -556,7 +685,7 @@ class Watcher:
         befores = self._befores()
         if befores is not None:
             self._agreement = self._agree(befores)
-        _end_of_backward_callback()(self.after_backward)
+        self._queue(self.after_backward)
 
     def _befores(self) -> list[torch.Tensor] | None:
         """This DDP step's witnesses of each rank's own gradients before the all-reduce
@@ -698,6 +827,9 @@ class Watcher:
             self._bucket_norms.clear()
             self._param_sums.clear()
             self._pre_read = None
+            if not self._skipped_now and self._local is None:  # a clean step ends a run of skips
+                self._skips, self._skip_scale, self._skip_first = 0, None, None
+            self._skipped_now = False
             self.step += 1
             if self._comm is not None:  # the runtime's fault plan counts steps from 1
                 self._comm.hook.step = self.step + 1
@@ -705,17 +837,31 @@ class Watcher:
     def _check_local(self) -> None:
         """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
         values only, one read-back."""
-        params = [p for p in self.inner.parameters() if p.grad is not None]
-        outs = [w.reshape(-1) for w, _, _ in self._outputs]
-        grads = _grad_witness([p.grad for p in params])  # type: ignore[misc]
-        parts = [*outs, *(g.reshape(-1) for g in self._out_grads)]
-        device = parts[0].device if parts else grads.device
-        flat = torch.cat([*(t.to(device) for t in parts), grads.to(device)]).tolist()
-        n_out = sum(o.numel() for o in outs)
-        fwd, out_grads = flat[:n_out], flat[n_out : len(flat) - len(params)]
-        suspects = [
-            p for p, v in zip(params, flat[len(flat) - len(params) :], strict=True) if not math.isfinite(v)
-        ]
+        every = [p.grad for p in self._all_params]
+        if any(g is None for g in every):
+            params = [p for p, g in zip(self._all_params, every, strict=True) if g is not None]
+            grads: list[torch.Tensor] = [g for g in every if g is not None]
+        else:
+            params, grads = self._all_params, every  # type: ignore[assignment]
+        if not self._fwd_device and not any(g.is_cuda for g in self._out_grads[:1] + grads[:1]):
+            # The CPU: the forward was read as it ended; one read-back of the rest, in as
+            # few ops as it takes (one multi-tensor norm, one stack, one read).
+            parts = [*self._out_grads, *_host_witnesses(grads)]
+            flat = torch.stack(parts).tolist() if parts else []
+            if math.isfinite(sum(flat) + sum(self._fwd_host)):
+                return  # the usual step (a sum that overflowed on finite values: looked at below)
+            fwd, out_grads = self._fwd_host, flat[: len(self._out_grads)]
+            values = _grad_witness(grads).tolist()  # which gradients: one value each
+        else:
+            outs = [w.reshape(-1) for w, _, _ in self._outputs]
+            witness = _grad_witness(grads)
+            parts = [*outs, *(g.reshape(-1) for g in self._out_grads)]
+            device = parts[0].device if parts else witness.device
+            flat = torch.cat([*(t.to(device) for t in parts), witness.to(device)]).tolist()
+            n_out = sum(o.numel() for o in outs)
+            fwd, out_grads = flat[:n_out], flat[n_out : len(flat) - len(params)]
+            values = flat[len(flat) - len(params) :]
+        suspects = [p for p, v in zip(params, values, strict=True) if not math.isfinite(v)]
         bad_grads = [(p, c) for p in suspects if p.grad is not None and (c := nonfinite_count(p.grad))]
         local = self._diagnose(fwd, out_grads, bad_grads)
         if self.ddp is not None:  # no_sync: agreed on at the next synchronised backward
@@ -848,9 +994,16 @@ class Watcher:
         if transfer is not None:
             return transfer
         if any(not math.isfinite(v) for v in fwd):
-            found = self._first_bad_output()
-            if found is not None:
-                return found
+            # A NaN in the model's outputs (or a non-finite loss given to observe()) is a
+            # fault; an Inf alone (masked logits, an unused entry) only if it reached the
+            # loss's gradient: the gradient flowing into the outputs went non-finite. (Other
+            # non-finite gradients beside a masked output are the backward's, named below.)
+            verdict = self._forward_verdict(self._outputs)
+            reached = any(not math.isfinite(v) for v in out_grads)
+            if verdict == "nan" or (verdict == "inf" and reached):
+                found = self._first_bad_output(nan_only=verdict == "nan")
+                if found is not None:
+                    return found
         if any(not math.isfinite(v) for v in out_grads):
             return self._scaler_skip(
                 self._local_at(
@@ -902,23 +1055,59 @@ class Watcher:
         self._trail.clear()
         self._inputs.clear()
         self._outputs.clear()
+        self._fwd_host.clear()
+        self._fwd_device = False
         self._out_grads.clear()
         self._order.clear()
         self._early = None
+        self._holding = False
 
-    def _first_bad_output(self) -> _Local | None:
+    @staticmethod
+    def _forward_verdict(outputs: list[tuple[torch.Tensor, Any, str]]) -> str:
+        """``"nan"``: a model output holds a NaN, or a loss given to :meth:`observe` is
+        non-finite (a fault); ``"inf"``: the model's outputs hold Infs and no NaN (masked
+        logits, an unused entry of a dict: a fault only if the gradients go non-finite);
+        ``"clean"``. An output let go (an eval-mode forward) is judged by its witness, whose
+        NaN may also be two Infs of opposite signs: taken as a NaN."""
+        verdict = "clean"
+        for witness, output, name in outputs:
+            if bool(torch.isfinite(witness).all()):
+                continue
+            if name or (_has_nan(output) if output is not None else bool(torch.isnan(witness).any())):
+                return "nan"
+            verdict = "inf"
+        return verdict
+
+    def _seen(self) -> list[_Seen]:
+        """This forward's module calls, in the order they returned."""
+        return [_Seen(*seen) for seen in self._trail]
+
+    def _nan_arose_from_finite(self) -> bool:
+        """Whether the first kept module output holding a NaN had finite inputs: the NaN
+        arose there, and an Inf before it (a masked score) is not its origin."""
+        for seen in self._seen():
+            if _has_nan(seen.output):
+                return not _bad_count(seen.inputs)[0]
+        return False
+
+    def _first_bad_output(self, nan_only: bool = False) -> _Local | None:
+        """The first input or module output, in the order they ran, that was non-finite.
+        ``nan_only`` (the step's outputs hold a NaN): if the first module output holding a
+        NaN made it from finite inputs, Infs before it (masking) are not blamed."""
         if self._early is not None:
             return self._early
+        nan_only = nan_only and self._nan_arose_from_finite()
         for inputs in self._inputs:
-            bad, total = _bad_count(inputs)
+            bad, total = _bad_count(inputs, nan_only)
             if bad:
                 return self._local_at("input", "<input>", f"{bad} of {total} input values were non-finite")
         suspects: list[str] = []
-        for i, seen in enumerate(self._trail):
-            bad, total = _bad_count(seen.output)
+        trail = self._seen()
+        for i, seen in enumerate(trail):
+            bad, total = _bad_count(seen.output, nan_only)
             if not bad:
                 continue
-            if seen.changed_since(self._trail[i + 1 :]):
+            if seen.changed_since(trail[i + 1 :]):
                 suspects.append(seen.path)  # changed in place later: judged by what came after
                 continue
             stale = self._bad_parameter(seen.module)
@@ -963,7 +1152,7 @@ class Watcher:
             local.transfer = self._carrier(seen)
             return local
         for _, out, name in self._outputs:
-            bad, total = _bad_count(out)
+            bad, total = _bad_count(out, nan_only and not name)
             if bad and name:
                 return self._local_at(
                     "forward", name, f"{name} was non-finite ({bad} of {total}), every module output finite"
@@ -986,9 +1175,9 @@ class Watcher:
     def _bad_gradient(self, bad_grads: list[tuple[Any, int]]) -> _Local:
         """The first module in backward order (the last in forward order) whose
         parameters' own gradients were non-finite."""
-        order = dict(self._order)
-        for seen in self._trail:
-            order.setdefault(seen.path, len(order))
+        order: dict[str, int] = {}
+        for path in [*(p for paths in self._order for p in paths), *(seen[0] for seen in self._trail)]:
+            order.setdefault(path, len(order))
 
         def rank(item: tuple[Any, int]) -> tuple[int, int]:
             return order.get(self.owner.get(id(item[0]), ""), -1), self.index.get(id(item[0]), -1)
@@ -1056,6 +1245,8 @@ class Watcher:
         arrived: bool = False,
         raising: bool = True,
     ) -> None:
+        if self.done:
+            return  # the first fault is said once
         report = NonFiniteReport(
             step=origin.step,
             rank=origin.rank,
@@ -1084,14 +1275,17 @@ class Watcher:
         )
         self.events.append(report)
         if report.kind == "scaler-skip":
-            return  # an overflow the scaler deals with: noted, not a fault
+            report = self._skip_run(report)
+            if report.kind == "scaler-skip":
+                return  # an overflow the scaler deals with: noted, not a fault
+            self.events.append(report)  # a run of skips: the fault
         self.report, self.done = report, True
         self._trail.clear()
         if self._record_dir is not False:
             folder = record_dir(None if self._record_dir in (None, True) else self._record_dir)
             try:
                 write_record(report, folder)
-            except OSError as exc:
+            except (OSError, InputError) as exc:  # (a link or a FIFO planted there): training goes on
                 warnings.warn(
                     f"gpudiag.watch could not write its record in {folder}: {exc}",
                     stacklevel=_user_stacklevel(),
@@ -1100,6 +1294,43 @@ class Watcher:
             raise NonFiniteError(report)
         if self.mode == "warn" or self.mode == "raise":
             warnings.warn(NonFiniteWarning(report), stacklevel=_user_stacklevel())
+
+    def _skip_run(self, skip: NonFiniteReport) -> NonFiniteReport:
+        """Count a GradScaler skip; ``skip`` itself while skips are what the scaler is for,
+        or a fault (the run's first skip, its detail saying why) once ``max_skips`` optimizer
+        steps in a row were skipped or the scale fell below ``scale_floor``. Skips at one
+        scale (micro-steps of one accumulated step) count once: the scale moves only when
+        the scaler updates."""
+        self._skipped_now = True
+        scale = self._scale()
+        if self._skip_first is None or scale is None or scale != self._skip_scale:
+            self._skips += 1
+        self._skip_scale = scale
+        first = self._skip_first = self._skip_first or skip
+        low = scale is not None and scale < self.scale_floor
+        if self._skips < self.max_skips and not low:
+            return skip
+        shown = f"{scale:.3g}" if scale is not None else "?"
+        why = (
+            f"its scale fell to {shown}, below the floor {self.scale_floor:.3g}"
+            if low
+            else f"its scale fell to {shown}"
+        )
+        reason = (
+            f"the GradScaler skipped {self._skips} optimizer step(s) in a row (backwards {first.step}-"
+            f"{skip.step}) and {why}: a gradient that stays non-finite however far the loss is scaled "
+            "down, not an overflow"
+        )
+        detail = first.detail.replace("; the GradScaler skips this step and lowers its scale", "")
+        return replace(first, kind="fault", detail=f"{detail}; {reason}", this_rank=self.rank)
+
+    def _scale(self) -> float | None:
+        """The GradScaler's current scale (``get_scale()``, a host sync on CUDA: read only
+        on a skip), or None where it cannot be read."""
+        try:
+            return float(self.scaler.get_scale())
+        except Exception:  # a scaler-like object without it: count every skip
+            return None
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -1184,6 +1415,8 @@ def watch(
     record_dir: str | Path | bool | None = None,
     localize: bool = True,
     comm_hook: bool | None = None,
+    max_skips: int = MAX_SKIPS,
+    scale_floor: float = SCALE_FLOOR,
 ) -> Watcher:
     """Watch ``model`` (a module, ``DistributedDataParallel``, ``nn.DataParallel``,
     ``VirtualDataParallel`` or ``torch.compile``\\ d) for the first non-finite value.
@@ -1192,10 +1425,13 @@ def watch(
     rank), ``"warn"`` (:class:`NonFiniteWarning`) or ``"record"`` (only ``watcher.report``
     and the JSON record). ``scaler``: the ``torch.amp.GradScaler`` in use — a gradient
     overflow it skips is noted in ``watcher.events`` as ``scaler-skip``, not reported as a
-    fault. ``root``: the module whose paths name modules (default: the model inside its
-    wrappers). ``record_dir``: where ``watch-rank<R>.json`` goes on a fault (default
-    ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``; False: none). ``localize=False`` keeps
-    no module outputs (less memory; a forward fault is named at the model's output).
+    fault — until ``max_skips`` (20) optimizer steps in a row were skipped, or one at a scale
+    below ``scale_floor`` (2**-14): then the run of skips is the fault. ``root``: the module
+    whose paths name modules (default: the model inside its wrappers). ``record_dir``: where
+    ``watch-rank<R>.json`` goes on a fault (default ``$GPUDIAG_WATCH_DIR`` or
+    ``./gpudiag-watch``; False: none; a link or a FIFO there is warned about, not written).
+    ``localize=False`` keeps no module outputs (less memory; a forward fault is named at the
+    model's output).
     ``comm_hook`` (DDP): None (default) leaves DDP's own C++ all-reduce (or your comm hook)
     alone and reads each rank's gradients once at the end of the backward, before DDP's
     finalize overwrites them — unless the model has ``gradient_as_bucket_view=True``, then
@@ -1212,4 +1448,6 @@ def watch(
         record_dir=record_dir,
         localize=localize,
         comm_hook=comm_hook,
+        max_skips=max_skips,
+        scale_floor=scale_floor,
     )

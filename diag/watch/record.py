@@ -142,10 +142,16 @@ def record_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 
 def write_record(report: NonFiniteReport, folder: Path) -> Path:
-    """``folder/watch-rank<R>.json`` (replacing an earlier run's), atomically, with the
-    time it was written (``written``, UTC, ISO 8601)."""
+    """``folder/watch-rank<R>.json`` (replacing an earlier run's record, a regular file),
+    atomically, with the time it was written (``written``, UTC, ISO 8601). Never through a
+    link: a record path or a folder that is a symbolic link, or a record path that is a
+    FIFO, device or folder, is refused (:class:`gpudiag.errors.InputError`, from
+    :func:`gpudiag.fileio.check_target`); the watcher warns and training goes on."""
+    from gpudiag.errors import InputError
     from gpudiag.fileio import atomic_write
 
+    if folder.is_symlink():
+        raise InputError(f"{folder} is a symbolic link: gpudiag writes only into real folders")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"watch-rank{report.this_rank}.json"
     data = {**report.to_json(), "written": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
