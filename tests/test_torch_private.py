@@ -46,8 +46,10 @@ def test_flight_recorder_dump_takes_both_signatures(tmp_path: Path, monkeypatch:
 
 
 #: Underscore names of torch that every admitted version types and documents: the foreach
-#: kernels (``torch._foreach_norm`` …) and the base classes users subclass.
+#: kernels (``torch._foreach_norm`` …), the base classes users subclass, and the extension
+#: module ``torch._C`` itself (what is read from it is still checked).
 PUBLIC_BY_CONVENTION = ("_foreach_", "_BatchNorm", "_DropoutNd")
+EXACT = ("_C",)
 
 
 def _torch_names(tree: ast.Module) -> set[str]:
@@ -77,6 +79,7 @@ def private_torch_attributes(source: str) -> list[str]:
         and node.attr.startswith("_")
         and not node.attr.startswith("__")
         and not node.attr.startswith(PUBLIC_BY_CONVENTION)
+        and node.attr not in EXACT
         and _root(node.value) in torch_names
     ]
 
@@ -87,6 +90,7 @@ def test_the_scan_finds_a_typed_private_attribute() -> None:
     guarded = 'import torch._C._distributed_c10d as c10d\n\ndump = getattr(c10d, "_dump_fr_trace", None)\n'
     assert private_torch_attributes(guarded) == []
     assert private_torch_attributes("import torch\n\nn = torch._foreach_norm([])\n") == []
+    assert private_torch_attributes("import torch\n\nf = torch._C._dump\n") == ["3: torch._C._dump"]
 
 
 def test_no_private_torch_attribute_is_typed_against_one_version() -> None:
