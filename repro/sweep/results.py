@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
+from gpudiag.fileio import read_bounded
 from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, FleetVerdict, pair_rounds
-from gpudiag.repro.sweep.rules import FIGURES, check_rules
+from gpudiag.repro.sweep.rules import FIGURES, check_rules, parse_json
 
 NODE_SCHEMA = "gpudiag.sweep-node/1"
 RUN_SCHEMA = "gpudiag.sweep-run/1"
@@ -125,11 +126,7 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
                     raise InputError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
                 if not line.strip():
                     continue
-                try:
-                    data = json.loads(line)
-                except ValueError as exc:
-                    raise InputError(f"{path}:{number}: not JSON ({exc})") from None
-                records.append(check_record(data, f"{path}:{number}"))
+                records.append(check_record(parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
     except OSError as exc:
         raise InputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if not records:
@@ -149,10 +146,7 @@ def read_sweep(folder: str | Path) -> Sweep:
         path = folder / name
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{path}: cannot read it ({exc})") from None
+        data = parse_json(read_bounded(path, "sweep file"), str(path))
         if name == RUN:
             if not isinstance(data, dict) or data.get("schema") != RUN_SCHEMA:
                 raise InputError(f"{path}: not a {RUN_SCHEMA} document")
