@@ -8,12 +8,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from gpudiag.cli import cli
-from tests.test_sweep import _write_sweep, node
+from gpudiag.errors import InputError
+from gpudiag.repro.sweep.run import SweepOptions, SweepRun, sweep
+from tests.test_sweep import _two_gpu_machine, _write_sweep, node
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
@@ -53,7 +56,16 @@ def test_rules_from_dev_zero_or_a_fifo_are_refused_at_once(tmp_path: Path) -> No
     os.mkfifo(fifo)
     for source in ("/dev/zero", str(fifo)):
         run = subprocess.run(
-            [sys.executable, "-m", "gpudiag", "sweep", "--summary", str(tmp_path / "sweep"), "--rules", source],
+            [
+                sys.executable,
+                "-m",
+                "gpudiag",
+                "sweep",
+                "--summary",
+                str(tmp_path / "sweep"),
+                "--rules",
+                source,
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -78,3 +90,100 @@ def test_deeply_nested_json_is_one_line_exit_2_not_recursion_error(tmp_path: Pat
     code, err = _summary(folder, *args)
     assert code == 2 and err.count("\n") == 1 and "nested too deep" in err, err
     assert "RecursionError" not in err
+
+
+# -- 1, 2: --force replaces only a sweep gpudiag wrote; the target is checked again -------
+
+
+def _solo(tmp_path: Path, output: Path, *, force: bool = False) -> SweepRun:
+    """A real sweep of one node (CPU virtual devices, the env check only)."""
+    options = SweepOptions(
+        output=str(output),
+        machine=str(_two_gpu_machine(tmp_path)),
+        quick=True,
+        checks=("env",),
+        force=force,
+    )
+    return sweep(options)
+
+
+def _invoke_force(output: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(
+        cli, ["sweep", "-o", str(output), "--force", "--quick", "--checks", "env", "--machine", "x.json"]
+    )
+    return result.exit_code, result.stderr
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", ["results.jsonl", "sweep.json"])
+def test_force_refuses_a_user_folder_that_merely_holds_a_sweep_file_name(tmp_path: Path, name: str) -> None:
+    mine = tmp_path / "experiments"
+    mine.mkdir()
+    (mine / name).write_text('{"mine": true}\n')
+    (mine / "notes.txt").write_text("three weeks of notes")
+    before = _tree(mine)
+    code, err = _invoke_force(mine)
+    assert code == 2 and err.count("\n") == 1 and "not a gpudiag sweep folder" in err, err
+    assert _tree(mine) == before
+
+
+@pytest.mark.usefixtures("no_gpu", "solo_env")
+def test_force_replaces_an_earlier_sweep_but_never_a_file_the_user_added(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    first = _solo(tmp_path, out)
+    assert first.folder == out and (out / "nodes").is_dir()
+    listed = json.loads((out / "sweep.json").read_text())["files"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == listed
+    for added in ("notes.txt", "nodes/extra.zip"):
+        (out / added).write_text("the user's")
+        before = _tree(out)
+        code, err = _invoke_force(out)
+        assert code == 2 and err.count("\n") == 1 and added in err and "a sweep does not write" in err, err
+        assert _tree(out) == before
+        (out / added).unlink()
+    again = _solo(tmp_path, out, force=True)  # (only what the sweep wrote: replaced)
+    assert again.folder == out and json.loads((out / "sweep.json").read_text())["files"] == listed
+
+
+@pytest.fixture
+def solo_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUDIAG_HOSTNAME", "n0")
+
+
+@pytest.mark.usefixtures("no_gpu", "solo_env")
+@pytest.mark.parametrize("appears", ["user", "sweep"])
+def test_a_folder_that_appears_at_o_during_the_sweep_is_never_replaced_without_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, appears: str
+) -> None:
+    """What another sweep to the same -o (or the user) put there while this one ran
+    survives: this one refuses when it comes to write (exit 2), names why, writes nothing."""
+    import gpudiag.repro.sweep.run as run
+
+    other = tmp_path / "other"
+    if appears == "sweep":
+        _solo(tmp_path, other)  # (the first sweep's results, finished while the second runs)
+    else:
+        other.mkdir()
+        (other / "data.csv").write_text("the user's")
+    out = tmp_path / "sweep"
+    real = run.local_phase
+
+    def local_phase_while_another_writes(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        other.rename(out)
+        return result
+
+    monkeypatch.setattr(run, "local_phase", local_phase_while_another_writes)
+    _two_gpu_machine(tmp_path)
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(InputError, match="exists; pass --force") as raised:
+        _solo(tmp_path, out)
+    assert "results were not written" in str(raised.value)
+    after = _tree(out)
+    assert after and ("data.csv" in after if appears == "user" else "results.jsonl" in after)
+    assert {p.name for p in tmp_path.iterdir()} == before - {"other"} | {"sweep"}  # (no staging left)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,33 @@ RUN_SCHEMA = "gpudiag.sweep-run/1"
 RESULTS, SUMMARY, RUN, RULES, NODES = "results.jsonl", "SUMMARY.md", "sweep.json", "rules.json", "nodes"
 MAX_LINE_BYTES = 1 << 20  # a node's line is kilobytes; a megabyte is a damaged file
 MAX_RESULTS_BYTES = 4 << 30
+
+
+def sweep_files(folder: Path, listed: Collection[str] | None = None) -> list[str]:
+    """What in ``folder`` a sweep does not write (relative names, sorted): anything but
+    results.jsonl, sweep.json, rules.json, SUMMARY.md as regular files and ``nodes/``
+    holding only ``*.zip`` regular files — and, when the manifest ``listed`` the files
+    the sweep wrote (``files`` in sweep.json), anything not in that list. Empty for a
+    folder :func:`~gpudiag.repro.sweep.run.write_sweep` wrote."""
+    foreign: list[str] = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name == NODES and entry.is_dir() and not entry.is_symlink():
+            foreign += [
+                f"{NODES}/{e.name}"
+                for e in sorted(entry.iterdir())
+                if e.suffix != ".zip" or e.is_symlink() or not e.is_file()
+            ]
+        elif entry.name not in (RESULTS, RUN, RULES, SUMMARY) or entry.is_symlink() or not entry.is_file():
+            foreign.append(entry.name)
+    if listed is not None:
+        present = (
+            [f"{NODES}/{e.name}" for e in sorted((folder / NODES).glob("*"))]
+            if (folder / NODES).is_dir()
+            else []
+        )
+        present += [e.name for e in sorted(folder.iterdir()) if e.name != NODES]
+        foreign += [name for name in present if name not in listed and name not in foreign]
+    return sorted(foreign)
 
 
 @dataclass

@@ -133,13 +133,40 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
 
 
 def check_output(options: SweepOptions) -> Path:
-    """The output folder, refused before anything runs when gpudiag may not write it."""
+    """The output folder, refused before anything runs when gpudiag may not write it: an
+    existing one only with ``--force``, and only when it is a sweep gpudiag wrote and holds
+    nothing else (:func:`not_a_sweep`)."""
     from gpudiag.fileio import check_target
 
-    def not_a_sweep(path: Path) -> str | None:
-        return None if (path / RESULTS).is_file() or (path / RUN).is_file() else "not a gpudiag sweep folder"
-
     return check_target(options.output, force=options.force, folder=True, replaceable=not_a_sweep)
+
+
+def not_a_sweep(path: Path) -> str | None:
+    """None when ``path`` is a sweep folder gpudiag wrote — its manifest ``sweep.json`` (a
+    regular file, read bounded) names the ``gpudiag.sweep-run/`` schema — holding only what
+    a sweep writes (:func:`~gpudiag.repro.sweep.results.sweep_files`); else why ``--force``
+    may not replace it. A file a user added is never deleted: the folder is refused, naming it."""
+    from gpudiag.fileio import read_bounded
+    from gpudiag.repro.sweep.results import sweep_files
+    from gpudiag.repro.sweep.rules import parse_json
+
+    manifest = path / RUN
+    if manifest.is_symlink() or not manifest.is_file():
+        return f"not a gpudiag sweep folder (no {RUN})"
+    try:
+        document = parse_json(read_bounded(manifest, "sweep manifest"), str(manifest))
+    except InputError:
+        return f"not a gpudiag sweep folder (no readable {RUN})"
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if not (isinstance(schema, str) and schema.startswith("gpudiag.sweep-run/")):
+        return f"not a gpudiag sweep folder ({RUN} has no gpudiag sweep schema)"
+    listed = document.get("files")
+    ok = isinstance(listed, list) and all(isinstance(n, str) for n in listed)
+    foreign = sweep_files(path, set(listed) if ok else None)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds files a sweep does not write ({shown}): move them out first"
+    return None
 
 
 def _backend(options: SweepOptions, ident: Identity) -> str:
@@ -410,10 +437,13 @@ def write_sweep(
     force: bool,
 ) -> Path:
     """The sweep folder, written whole beside its place and renamed into it."""
-    from gpudiag.fileio import write_folder
+    from gpudiag.fileio import check_target, write_folder
     from gpudiag.redact import Redactor
 
     redactor = Redactor()
+    nodes = {f"{NODES}/{_safe(host)}.zip": data for host, data in bundles.items()}  # (redacted on their node)
+    # the manifest lists every file the sweep wrote: --force replaces those and nothing else
+    run = {**run, "files": sorted([RESULTS, RUN, RULES, SUMMARY, *nodes])}
     files = {
         RESULTS: results_jsonl(records).encode(),
         RUN: (json.dumps(run, indent=1) + "\n").encode(),
@@ -421,8 +451,15 @@ def write_sweep(
         SUMMARY: summary_markdown(verdict, records, run).encode(),
     }
     files = {name: redactor.bytes(data) for name, data in files.items()}
-    for host, data in bundles.items():  # (redacted on their node)
-        files[f"{NODES}/{_safe(host)}.zip"] = data
+    files.update(nodes)
+    # checked again now, as it is written: a folder that appeared at -o while the sweep ran
+    # (another sweep's, the user's) is replaced only as --force allows, never otherwise
+    try:
+        check_target(folder, force=force, folder=True, replaceable=not_a_sweep)
+    except InputError as exc:
+        raise InputError(
+            f"{exc} (checked again as the sweep finished: its results were not written)"
+        ) from None
     return write_folder(folder, files)
 
 
