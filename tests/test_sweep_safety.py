@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from gpudiag.cli import cli
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.run import SweepOptions, SweepRun, sweep
-from tests.test_sweep import _two_gpu_machine, _write_sweep, node
+from tests.test_sweep import _every_written_byte, _two_gpu_machine, _write_sweep, node
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
@@ -187,3 +187,62 @@ def test_a_folder_that_appears_at_o_during_the_sweep_is_never_replaced_without_f
     after = _tree(out)
     assert after and ("data.csv" in after if appears == "user" else "results.jsonl" in after)
     assert {p.name for p in tmp_path.iterdir()} == before - {"other"} | {"sweep"}  # (no staging left)
+
+
+# -- 8: --anonymize masks the machine's own name too, not only GPUDIAG_HOSTNAME ---------------
+
+
+@pytest.mark.usefixtures("no_gpu", "solo_env")
+def test_anonymize_masks_the_real_host_name_when_gpudiag_hostname_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documented Kubernetes recipe sets GPUDIAG_HOSTNAME; the kernel's name (here
+    given through socket.gethostname, the machine boundary) still shows in the paths of
+    NCCL_* variables and must be masked everywhere a sweep writes or prints."""
+    import socket
+
+    real = "gpu-node-17.cluster.example"
+    monkeypatch.setattr(socket, "gethostname", lambda: real)
+    monkeypatch.setenv("NCCL_DEBUG_FILE", "/shared/logs/gpu-node-17/nccl.%p.log")
+    monkeypatch.setenv("NCCL_TOPO_DUMP_FILE", f"/shared/topo/{real}.xml")
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(
+        cli,
+        ["sweep", "-o", str(out), "--quick", "--checks", "env", "--anonymize", "--format", "markdown"]
+        + ["--machine", str(_two_gpu_machine(tmp_path))],
+    )
+    assert result.exit_code in (0, 1), result.output
+    files = _every_written_byte(out)
+    assert any(name.endswith("results.jsonl") for name in files) and any(":report.json" in n for n in files)
+    for name, data in {**files, "stdout": result.stdout.encode()}.items():
+        assert b"gpu-node-17" not in data, name
+    record = json.loads((out / "results.jsonl").read_text())
+    assert record["host"] == "n0"
+    assert record["host_facts"]["nccl_env"]["NCCL_DEBUG_FILE"] == "/shared/logs/<host>/nccl.%p.log"
+
+
+def test_four_part_versions_are_not_masked_as_addresses() -> None:
+    from gpudiag.redact import Redactor
+
+    r = Redactor({}, anonymize=True, hostname="gpu-box-3.lab", user="alice")
+    for kept in (
+        "nvidia-cublas 13.1.1.3",
+        "nvidia-cublas==13.1.1.3",
+        "| nvidia-cudnn-cu13 | 9.24.0.43 |",
+        '"nvidia-cufft": "12.0.0.61"',
+        "driver v10.4.0.35",
+    ):
+        assert r.text(kept) == kept
+    for address in (
+        "MASTER_ADDR=10.0.0.1",
+        "NCCL_COMM_ID=10.1.2.3:1234",
+        "inet 10.1.1.3/24",
+        "nvidia-smi 10.0.0.9",
+    ):
+        assert "<ip>" in r.text(address), address
+    assert r.data({"nvidia-cublas": "13.1.1.3", "addr": "10.0.0.1"}) == {
+        "nvidia-cublas": "13.1.1.3",
+        "addr": "<ip>",
+    }
+    packages = json.dumps({"packages": {"nvidia-curand": "10.4.0.35"}}, indent=1).encode()
+    assert b"10.4.0.35" in r.bytes(packages)
