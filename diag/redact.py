@@ -67,7 +67,9 @@ _GPU_UUID = re.compile(r"\b(GPU|MIG)-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 #: A package whose versions have four parts (``nvidia-cublas 13.1.1.3``, ``nvidia-cudnn-cu13
 #: 9.24.0.43``): a dotted quad after its name is its version, not an address.
-_PACKAGE = r"(?:nvidia-(?!smi\b)[a-z0-9-]+|torch(?:vision|audio)?|triton|numpy|cudnn[a-z0-9-]*|nccl[a-z0-9-]*)"
+_PACKAGE = (
+    r"(?:nvidia-(?!smi\b)[a-z0-9-]+|torch(?:vision|audio)?|triton|numpy|cudnn[a-z0-9-]*|nccl[a-z0-9-]*)"
+)
 _PACKAGE_NAME = re.compile(_PACKAGE)
 #: What stands right before a version: a package name and ``==``, ``=``, ``:``, ``|`` or
 #: blanks (pip freeze, ``env``'s table, JSON text), or ``v`` / ``version``.

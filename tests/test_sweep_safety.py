@@ -206,11 +206,9 @@ def test_anonymize_masks_the_real_host_name_when_gpudiag_hostname_is_set(
     monkeypatch.setenv("NCCL_DEBUG_FILE", "/shared/logs/gpu-node-17/nccl.%p.log")
     monkeypatch.setenv("NCCL_TOPO_DUMP_FILE", f"/shared/topo/{real}.xml")
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(
-        cli,
-        ["sweep", "-o", str(out), "--quick", "--checks", "env", "--anonymize", "--format", "markdown"]
-        + ["--machine", str(_two_gpu_machine(tmp_path))],
-    )
+    machine = str(_two_gpu_machine(tmp_path))
+    args = ["-o", str(out), "--quick", "--checks", "env", "--anonymize", "--format", "markdown"]
+    result = CliRunner().invoke(cli, ["sweep", *args, "--machine", machine])
     assert result.exit_code in (0, 1), result.output
     files = _every_written_byte(out)
     assert any(name.endswith("results.jsonl") for name in files) and any(":report.json" in n for n in files)
@@ -246,3 +244,39 @@ def test_four_part_versions_are_not_masked_as_addresses() -> None:
     }
     packages = json.dumps({"packages": {"nvidia-curand": "10.4.0.35"}}, indent=1).encode()
     assert b"10.4.0.35" in r.bytes(packages)
+
+
+# -- 9: a node's own name in its NCCL_* paths is not a difference --------------------------
+
+
+def test_nccl_paths_holding_each_node_s_own_name_are_not_node_host_differs() -> None:
+    from gpudiag.repro.sweep.judge import judge
+
+    def with_log(i: int, folder: str, **more: Any) -> dict[str, Any]:
+        env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": f"/shared/logs/{folder}/nccl.%p.log"}
+        return node(i, host_facts={"iommu": "off", "acs_redirect": False, "nccl_env": env}, **more)
+
+    records = [with_log(i, f"node{i}") for i in range(4)]
+    # under GPUDIAG_HOSTNAME, $(hostname) is the kernel's name: an alias of the node
+    records.append(with_log(4, "gpu-17.cluster", aliases=["gpu-17.cluster"]))
+    verdict = judge(records)
+    assert verdict.exit_code == 0 and not verdict.named, [(v.host, v.problems) for v in verdict.named]
+    records.append(with_log(5, "node0"))  # (node5 writes into node0's folder: a real difference)
+    named = {v.host: [p.code for p in v.problems] for v in judge(records).named}
+    assert named == {"node5": ["node-host-differs"]}
+
+
+@pytest.mark.usefixtures("no_gpu", "solo_env")
+def test_a_node_record_names_the_kernel_s_host_name_as_an_alias(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from gpudiag.repro.sweep.node import Identity, local_phase
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-17.cluster")
+    options = SweepOptions(
+        output="unused", quick=True, checks=("env",), machine=str(_two_gpu_machine(tmp_path))
+    )
+    local = local_phase(options, Identity.detect(os.environ), "gloo")
+    assert local.record["host"] == "n0" and local.record["aliases"] == ["gpu-17.cluster"]

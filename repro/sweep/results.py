@@ -108,6 +108,11 @@ def _check_fields(data: dict[str, Any], where: str) -> None:
     gpus = data.get("gpus")
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= 1 << 16):
         raise InputError(f"{where}: gpus must be a whole number from 0 to 65536, got {gpus!r}")
+    aliases = data.get("aliases")
+    if aliases is not None and (
+        not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases)
+    ):
+        raise InputError(f"{where}: aliases must be a list of host names")
     if data.get("host_facts") is not None and not isinstance(data["host_facts"], dict):
         raise InputError(f"{where}: host_facts must be an object")
     digest = data.get("topology_digest")
