@@ -280,3 +280,23 @@ def test_a_node_record_names_the_kernel_s_host_name_as_an_alias(
     )
     local = local_phase(options, Identity.detect(os.environ), "gloo")
     assert local.record["host"] == "n0" and local.record["aliases"] == ["gpu-17.cluster"]
+
+
+# -- 3: a node killed mid-sweep is named, and the sweep says it did not finish -------------
+
+
+@pytest.mark.parametrize("where", ["pair-round1", pytest.param("allreduce-all", marks=pytest.mark.slow)])
+def test_a_node_killed_mid_sweep_is_named_and_the_sweep_did_not_finish(tmp_path: Path, where: str) -> None:
+    from gpudiag.repro.sweep.rehearse import Node
+    from tests.test_sweep_nodes import machine, run_nodes
+
+    m = machine(tmp_path)
+    nodes = [Node("node0", m), Node("node1", m, ["--inject-stall", f"{where}:kill"]), Node("node2", m)]
+    out = run_nodes(tmp_path, nodes, "--checks", "env", "--timeout", "20", deadline=120)
+    assert out["rank0"].returncode == 1, out["rank0"].output[-2000:]
+    assert out["named"] == {"node1": ["node-hung"]}, out["summary"]
+    first = out["summary"].splitlines()[0]
+    assert "the sweep did not finish" in first and "named: node1" in first, first
+    assert "nobody named" not in out["summary"] and not out["run"]["finished"]
+    assert f"rank 1 stopped answering in {where}" in out["summary"]
+    assert "the sweep did not finish" in out["rank0"].output

@@ -208,11 +208,15 @@ def _cell(value: Any) -> str:
 
 
 def headline(verdict: FleetVerdict) -> str:
-    """``4 nodes: 3 healthy, 1 problem (node2), 0 no result``."""
+    """``4 node(s): 3 healthy, 1 problem, 0 no result — named: node2``; a sweep that
+    stopped before the end says so (``— the sweep did not finish; named: node1``)."""
     data = verdict.to_json()
     named = ", ".join(v.host for v in verdict.named[:8]) + (" …" if len(verdict.named) > 8 else "")
     line = f"{len(verdict.nodes)} node(s): {data['healthy']} healthy, {data['problem']} problem, "
     line += f"{data['no_result']} no result"
+    if verdict.failed:  # (never "healthy — nobody named" for a sweep that stopped half way)
+        line += " — the sweep did not finish"
+        return line + (f"; named: {named}" if named else "; no rank named (see the notes)")
     return line + (f" — named: {named}" if named else " — nobody named")
 
 

@@ -101,6 +101,11 @@ def flight_settings(backend: str, scratch: Path) -> dict[str, str]:
     return {**{k: v.format(scratch=scratch) for k, v in recorder.items()}, "NCCL_ALGO": "Ring"}
 
 
+#: How long rank 0 waits, once a collective failed, for every rank to say it still
+#: answers (:meth:`~gpudiag.repro.sweep.between.Progress.silent`); the ranks that do not
+#: are named (a node killed mid-sweep: its peers' collectives fail at once, on gloo).
+CHECK_IN_S = 15.0
+
 DUMP_PREFIX = "nccl_trace_rank_"  # (the dump of rank R: <scratch>/nccl_trace_rank_R)
 
 
@@ -249,8 +254,11 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     baseline = load_baseline(options.baseline)
     hosts, hosts_from = expected_hosts(options.expect_hosts, env)
     folder = check_output(options) if ident.rank == 0 else None
-    if options.stall is not None and options.stall not in STALLABLE:
-        raise InputError(f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)}")
+    if options.stall is not None and options.stall.removesuffix(":kill") not in STALLABLE:
+        raise InputError(
+            f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)} "
+            "(NAME:kill: the node's process is killed there instead)"
+        )
     backend = _backend(options, ident)
     budget = Budget.for_quick(options.quick) if options.budget is None else Budget(options.budget)
     scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
@@ -331,7 +339,14 @@ def _between(
             out.bundles = {host: data for host, data in (g for g in gathered if g is not None)}
         except CollectiveHung as exc:
             out.failure = exc
+            b.progress.check_in()  # (this rank still answers: rank 0 names those that do not)
             out.stuck = b.progress.stuck(exc.name) if rank == 0 else []
+            if rank == 0 and not out.stuck:  # every rank was in the same place: who is gone?
+                wait = min(b.timeout, CHECK_IN_S)
+                out.stuck = [
+                    (r, f"in {exc.name} (its process ended or its node went away)")
+                    for r in b.progress.silent(wait)
+                ]
             dump_flight_recorder(scratch, rank, backend)  # (rank 0's goes into its bundle)
             raise
         return b""
@@ -386,8 +401,9 @@ def _finish(
         )
     hosts, hosts_from = expected
     verdict = judge(records, expected_hosts=hosts, rules=rules, baseline=baseline, expected_nodes=ident.nodes)
-    if out.failure is not None and verdict.exit_code == 0:
-        verdict.notes.append("the sweep did not finish (see the notes): exit 1")
+    if out.failure is not None:
+        if verdict.exit_code == 0:
+            verdict.notes.append("the sweep did not finish (see the notes): exit 1")
         verdict.failed = True
     run = {
         "schema": RUN_SCHEMA,
@@ -487,6 +503,7 @@ def rejudge(
         asked = expected_hosts(expect_hosts, {})[0] if expect_hosts is not None else []
         hosts = asked or list(data.run.get("expected_hosts") or [])
         verdict = judge(data.records, expected_hosts=hosts, rules=used, baseline=load_baseline(baseline))
+        verdict.failed = data.run.get("finished") is False  # (it stopped half way: never "healthy")
     return verdict, data
 
 
