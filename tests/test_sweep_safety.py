@@ -285,7 +285,14 @@ def test_a_node_record_names_the_kernel_s_host_name_as_an_alias(
 # -- 3: a node killed mid-sweep is named, and the sweep says it did not finish -------------
 
 
-@pytest.mark.parametrize("where", ["pair-round1", pytest.param("allreduce-all", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "gather-records",
+        pytest.param("pair-round1", marks=pytest.mark.slow),
+        pytest.param("allreduce-all", marks=pytest.mark.slow),
+    ],
+)
 def test_a_node_killed_mid_sweep_is_named_and_the_sweep_did_not_finish(tmp_path: Path, where: str) -> None:
     from gpudiag.repro.sweep.rehearse import Node
     from tests.test_sweep_nodes import machine, run_nodes

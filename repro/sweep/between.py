@@ -62,6 +62,21 @@ class Progress:
             with contextlib.suppress(Exception):
                 self.store.set(f"at/{self.rank}", f"{self.seq} {state} {name}")
 
+    def post(self, key: str, value: str) -> None:
+        """Leave ``value`` in the store under ``key`` (best effort)."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(key, value)
+
+    def posted(self, key: str) -> str | None:
+        """What :meth:`post` left under ``key``, or None (never waits)."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            return None
+
     def check_in(self) -> None:
         """Say this rank still answers (after a collective failed: :meth:`silent`)."""
         if self.store is not None:

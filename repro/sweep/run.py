@@ -57,6 +57,7 @@ from gpudiag.repro.sweep.results import (
     RUN,
     RUN_SCHEMA,
     SUMMARY,
+    check_record,
     results_jsonl,
     summary_markdown,
 )
@@ -329,6 +330,8 @@ def _between(
 
     def rank_fn(rank: int, world: int) -> bytes:
         b = Between(ident, options, backend, deadline, budget)
+        if local is not None:  # (in the store too: rank 0 has it if a collective fails before the gather)
+            b.progress.post(f"record/{ident.node}", json.dumps({"record": local.record, "rank": rank}))
         try:
             between_nodes(b, None if local is None else local.record, out)
             payload = None
@@ -347,6 +350,12 @@ def _between(
                     (r, f"in {exc.name} (its process ended or its node went away)")
                     for r in b.progress.silent(wait)
                 ]
+            if rank == 0:  # the records of nodes that sent one before the failure
+                for number in range(ident.nodes):
+                    posted = None if number in out.records else b.progress.posted(f"record/{number}")
+                    if posted is not None:
+                        with contextlib.suppress(InputError, ValueError, KeyError, TypeError):
+                            out.records[number] = check_record(json.loads(posted)["record"], f"node {number}")
             dump_flight_recorder(scratch, rank, backend)  # (rank 0's goes into its bundle)
             raise
         return b""
