@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -307,3 +308,33 @@ def test_a_node_killed_mid_sweep_is_named_and_the_sweep_did_not_finish(tmp_path:
     assert "nobody named" not in out["summary"] and not out["run"]["finished"]
     assert f"rank 1 stopped answering in {where}" in out["summary"]
     assert "the sweep did not finish" in out["rank0"].output
+
+
+# -- 16: rank 0's refusal of -o reaches every node before any group forms ------------------
+
+
+def test_when_rank_0_refuses_the_output_every_node_refuses_at_once(tmp_path: Path) -> None:
+    import time
+
+    from gpudiag.repro.sweep.rehearse import Node, rehearse
+    from tests.test_sweep_nodes import machine
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "data.csv").write_text("the user's")
+    m = machine(tmp_path)
+    start = time.monotonic()
+    finished = rehearse(
+        [Node("node0", m), Node("node1", m)],
+        taken,
+        ["--quick", "--checks", "env", "--timeout", "120"],
+        deadline=60,
+    )
+    # (torchrun exits 1 when a worker fails; the worker's own code is in its report)
+    assert [f.returncode for f in finished] == [1, 1], [f.output[-1500:] for f in finished]
+    assert all(re.search(r"exitcode\s*:\s*2\b", f.output) for f in finished), [
+        f.output[-1500:] for f in finished
+    ]
+    assert "rank 0 refused the output folder" in finished[1].output and "exists" in finished[1].output
+    assert time.monotonic() - start < 45
+    assert (taken / "data.csv").read_text() == "the user's" and len(list(taken.iterdir())) == 1

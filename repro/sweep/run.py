@@ -175,6 +175,52 @@ def not_a_sweep(path: Path) -> str | None:
     return None
 
 
+#: How long rank 0, having refused ``-o``, waits for the other ranks to read why before it
+#: exits (its exit ends torchrun's agent, and with it the store they read from).
+REFUSAL_WAIT_S = 30.0
+
+
+def agree_on_output(
+    ident: Identity, refusal: InputError | None, env: Mapping[str, str], timeout: float
+) -> None:
+    """Rank 0's answer on ``-o`` (written, or refused and why) passed to every rank through
+    torchrun's own store (its agent's, at ``MASTER_ADDR:MASTER_PORT``, which exists before
+    any process group does), so when rank 0 refuses the output folder every node refuses
+    too, at once (exit 2), instead of waiting for a group that rank 0 never joins. Rank 0
+    waits up to :data:`REFUSAL_WAIT_S` for the others to read a refusal. Nothing happens
+    without the agent's store (``TORCHELASTIC_USE_AGENT_STORE``: another launcher) or when it
+    cannot be reached; a rank that gets no answer within ``timeout`` goes on as before."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT", "").isdigit():
+        return
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        prefix = f"gpudiag-sweep-output/{run}/"
+        key = prefix + "answer"
+        if ident.rank == 0:
+            store.set(key, "ok" if refusal is None else f"refused {refusal}")
+            if refusal is not None:
+                others = [f"{prefix}read/{r}" for r in range(1, ident.world)]
+                end = time.monotonic() + min(timeout, REFUSAL_WAIT_S)
+                while time.monotonic() < end and not store.check(others):
+                    time.sleep(0.05)
+            return
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        answer = store.get(key).decode()
+        store.set(f"{prefix}read/{ident.rank}", "1")
+    except Exception:  # (no store to reach, or no answer in time: the join decides, as before)
+        return
+    if answer.startswith("refused "):
+        raise InputError(f"rank 0 refused the output folder: {answer.removeprefix('refused ')}")
+
+
 def _backend(options: SweepOptions, ident: Identity) -> str:
     """``nccl`` with CUDA GPUs (and no machine file), else ``gloo``; ``--backend nccl``
     without a CUDA GPU cannot run here (exit 3), nor a sweep alone on a node with no GPU
@@ -254,7 +300,16 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     rules = load_rules(options.rules)
     baseline = load_baseline(options.baseline)
     hosts, hosts_from = expected_hosts(options.expect_hosts, env)
-    folder = check_output(options) if ident.rank == 0 else None
+    folder = refusal = None
+    if ident.rank == 0:
+        try:
+            folder = check_output(options)
+        except InputError as exc:
+            refusal = exc
+    if ident.torchrun and ident.world > 1:  # every node learns rank 0's answer, before any group
+        agree_on_output(ident, refusal, env, options.phase_timeout)
+    if refusal is not None:
+        raise refusal
     if options.stall is not None and options.stall.removesuffix(":kill") not in STALLABLE:
         raise InputError(
             f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)} "
