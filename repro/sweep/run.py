@@ -125,13 +125,16 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
 
         # ProcessGroupNCCL keeps its own recorder (of CUDA events), dumped by
         # _dump_nccl_trace; gloo's is the c10::Event one _dump_fr_trace reads (2.15)
-        if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
-            data = c10d._dump_nccl_trace()
+        nccl, fr = getattr(c10d, "_dump_nccl_trace", None), getattr(c10d, "_dump_fr_trace", None)
+        if backend == "nccl" and nccl is not None:
+            data = nccl()
+        elif fr is None:
+            return None
         else:
             try:
-                data = c10d._dump_fr_trace(backend=backend)
+                data = fr(backend=backend)
             except TypeError:  # torch < 2.15: one recorder, no backend argument
-                data = c10d._dump_fr_trace()
+                data = fr()
         path.write_bytes(bytes(data))
     except Exception:
         return None
