@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +339,77 @@ def test_when_rank_0_refuses_the_output_every_node_refuses_at_once(tmp_path: Pat
     assert "rank 0 refused the output folder" in finished[1].output and "exists" in finished[1].output
     assert time.monotonic() - start < 45
     assert (taken / "data.csv").read_text() == "the user's" and len(list(taken.iterdir())) == 1
+
+
+# -- 15: a signal leaves no gpudiag-ranks-* folder, and is honoured inside a C++ wait --------
+
+#: A gpudiag process with ranks started (their folder in $TMPDIR) whose main thread then
+#: blocks in a C++ call Python's handler cannot interrupt: a gloo all-reduce whose peer
+#: never comes (what a sweep worker waits in when another node is gone). Its Interrupted is
+#: handled as the CLI's main() does.
+STUCK = textwrap.dedent(
+    """
+    import datetime, os, sys, threading, time
+    import torch, torch.distributed as dist
+    from gpudiag.cli import stop_on_signals
+    from gpudiag.cleanup import clean_up
+    from gpudiag.errors import Interrupted
+    from gpudiag.runtime.launch import start
+
+    def rank(r, w):
+        time.sleep(120)
+        return b""
+
+    stop_on_signals()
+    try:
+        ranks = start(rank, 2, timeout=120)
+        store, timeout = dist.HashStore(), datetime.timedelta(seconds=120)
+        kept = []  # (the peer's group lives on, and never enters the all-reduce)
+        peer = threading.Thread(target=lambda: kept.append(dist.ProcessGroupGloo(store, 1, 2, timeout)))
+        peer.start()
+        group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+        peer.join()
+        print("ready", flush=True)
+        group.allreduce([torch.ones(4)]).wait()
+    except Interrupted as exc:
+        print(f"gpudiag: interrupted by SIG{'TERM' if exc.signum == 15 else 'INT'}; stopped", file=sys.stderr)
+        clean_up()
+        os._exit(exc.exit_code)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_a_signal_is_honoured_within_seconds_even_inside_a_cpp_wait(tmp_path: Path, sig: str) -> None:
+    import signal
+    import time
+
+    from tests.procfs import session_processes
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert [p.name for p in scratch.iterdir() if p.name.startswith("gpudiag-ranks-")]
+        sent = time.monotonic()
+        proc.send_signal(getattr(signal, "SIG" + sig))
+        _, err = proc.communicate(timeout=25)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + getattr(signal, "SIG" + sig), err
+    assert took < 15, took
+    assert err.strip().splitlines()[-1] == f"gpudiag: interrupted by SIG{sig}; stopped", err
+    assert [p.name for p in scratch.iterdir()] == []
+    assert session_processes(proc.pid) == [], "rank processes left behind"

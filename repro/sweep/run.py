@@ -320,7 +320,11 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
         )
     backend = _backend(options, ident)
     budget = Budget.for_quick(options.quick) if options.budget is None else Budget(options.budget)
-    scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
+    from gpudiag.cleanup import track, untrack
+    from gpudiag.runtime.launch import signals_held
+
+    with signals_held():  # (removed by the CLI's clean-up too, if a signal stops the process)
+        scratch = track(Path(tempfile.mkdtemp(prefix="gpudiag-sweep-")))
     started = time.perf_counter()
     try:
         with _pinned(scratch, backend) as settings:
@@ -328,6 +332,7 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
             return _run(options, ident, backend, scratch, settings, started, judged, budget)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        untrack(scratch)
 
 
 def _run(
