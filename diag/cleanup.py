@@ -81,7 +81,13 @@ def watch_signals() -> None:
     watch_signals.started = True  # type: ignore[attr-defined]
     # a forked child (a rank) writes no signal of its own into the parent's pipe
     os.register_at_fork(after_in_child=_forget_wakeup_fd)
-    threading.Thread(target=_watch, args=(read_fd,), name=WATCH_THREAD, daemon=True).start()
+    # the thread blocks the signals (its mask is its creator's at start): the kernel must
+    # deliver them to the main thread, whose held mask (launch.signals_held) times them
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {*_STOP_SIGNALS, signal.SIGALRM})
+    try:
+        threading.Thread(target=_watch, args=(read_fd,), name=WATCH_THREAD, daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _forget_wakeup_fd() -> None:
