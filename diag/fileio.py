@@ -1,4 +1,4 @@
-"""Safe writes of user-visible files.
+"""Safe writes of user-visible files, and bounded reads of the small files users give.
 
 Every file gpudiag writes goes to a temporary file in the target folder, is fsynced and
 then renamed over the target, so a failure never leaves a partial file. gpudiag writes
@@ -43,6 +43,34 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, force: bool
     with atomic_output(path, force=force) as out:
         out.write(payload)
     return Path(path)
+
+
+#: The most :func:`read_bounded` reads by default (64 MiB, as ``bench --compare`` does):
+#: a rules, baseline or result file is kilobytes; ``/dev/zero`` is refused, not read.
+MAX_INPUT_BYTES = 64 << 20
+
+
+def read_bounded(path: str | os.PathLike[str], what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of a small input file ``path`` (``what`` names it in errors: "rules file"),
+    at most ``limit`` bytes: larger, or not a regular file or character device (a FIFO
+    would block; a folder), or unreadable → :class:`InputError` (exit 2), one line. The
+    file is opened without blocking and checked before anything is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as stream:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+            raise InputError(f"{what} {path}: a {kind}, not a file")
+        try:
+            data = stream.read(limit + 1)
+        except OSError as exc:
+            raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    if data is None or len(data) > limit:
+        raise InputError(f"{what} {path}: larger than {limit >> 20} MiB, refused")
+    return data
 
 
 def check_target(

@@ -15,13 +15,25 @@ import socket
 HOSTNAME_VARIABLE = "GPUDIAG_HOSTNAME"
 
 
+def host_names() -> list[str]:
+    """Every name this machine goes by here: :func:`hostname` (the override when set) and
+    the kernel's own name — what ``--anonymize`` masks; with ``GPUDIAG_HOSTNAME`` set the
+    real name still shows in paths (``NCCL_DEBUG_FILE=/logs/$(hostname)/…``) and logs."""
+    names = [hostname(), _kernel_hostname()]
+    return [n for i, n in enumerate(names) if n and n not in names[:i]]
+
+
+def _kernel_hostname() -> str:
+    try:
+        return socket.gethostname()
+    except OSError:
+        return ""
+
+
 def hostname() -> str:
     """``GPUDIAG_HOSTNAME`` when set (and not blank), else the kernel's host name; ``""``
     when neither can be read."""
     override = os.environ.get(HOSTNAME_VARIABLE, "").strip()
     if override:
         return override
-    try:
-        return socket.gethostname()
-    except OSError:
-        return ""
+    return _kernel_hostname()

@@ -65,6 +65,19 @@ _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@\"'
 _BEARER = re.compile(r"\b(?P<scheme>[Bb]earer)\s+[A-Za-z0-9._~+/=-]{8,}")
 _GPU_UUID = re.compile(r"\b(GPU|MIG)-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b")
 _IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
+#: A package whose versions have four parts (``nvidia-cublas 13.1.1.3``, ``nvidia-cudnn-cu13
+#: 9.24.0.43``): a dotted quad after its name is its version, not an address.
+_PACKAGE = (
+    r"(?:nvidia-(?!smi\b)[a-z0-9-]+|torch(?:vision|audio)?|triton|numpy|cudnn[a-z0-9-]*|nccl[a-z0-9-]*)"
+)
+_PACKAGE_NAME = re.compile(_PACKAGE)
+#: What stands right before a version: a package name and ``==``, ``=``, ``:``, ``|`` or
+#: blanks (pip freeze, ``env``'s table, JSON text), or ``v`` / ``version``.
+_VERSION_BEFORE = re.compile(
+    rf"(?:(?<![\w.-]){_PACKAGE}[\"']?(?:==|[ \t]*[:=|][ \t]*|[ \t]+)[\"']?"
+    r"|(?<!\w)(?:[Vv]|[Vv]ersion[ \t]*[:=]?[ \t]*))$"
+)
+_DOTTED_QUAD = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
 _IPV6 = re.compile(
     r"(?<![\w:])(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"
     r"|(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{0,4}::(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{1,4})(?![\w:])"
@@ -124,8 +137,8 @@ class Redactor:
         self.user = (user if user is not None else _user()) if anonymize else None
         identities: list[tuple[str, str]] = []
         if anonymize:
-            host = hostname if hostname is not None else _hostname()
-            identities = [(host, "<host>"), (host.split(".")[0], "<host>")]
+            hosts = [hostname] if hostname is not None else _host_names()
+            identities = [(name, "<host>") for host in hosts for name in (host, host.split(".")[0])]
             identities.append((environ.get("MASTER_ADDR", ""), "<master-addr>"))
         #: Host names and MASTER_ADDR, as whole words only (a short host name must not eat
         #: parts of other words).
@@ -171,7 +184,7 @@ class Redactor:
         if self.anonymize:
             for pattern, mark in self._identities:
                 text = pattern.sub(mark, text)
-            text = _IPV4.sub("<ip>", text)
+            text = _IPV4.sub(_address, text)
             text = _IPV6.sub("<ip>", text)
             text = _HOME.sub(lambda m: f"{m.group(1)}<user>", text)
             if self.user and len(self.user) >= 3:
@@ -194,6 +207,8 @@ class Redactor:
             return {
                 self._walk(str(k), seen): MARK
                 if isinstance(v, str) and v and isinstance(k, str) and _is_secret_key(k)
+                else v
+                if isinstance(v, str) and self.anonymize and _is_version(k, v)
                 else self._walk(v, seen)
                 for k, v in value.items()
             }
@@ -217,6 +232,19 @@ class Redactor:
             return (json.dumps(self.data(document[0]), indent=indent) + end).encode()
         text = data.decode("utf-8", "surrogateescape")
         return self.text(text).encode("utf-8", "surrogateescape")
+
+
+def _address(match: re.Match[str]) -> str:
+    """``<ip>`` for a dotted quad, unless it is a package's four-part version."""
+    text = match.string
+    if _VERSION_BEFORE.search(text, max(0, match.start() - 80), match.start()):
+        return match.group(0)
+    return "<ip>"
+
+
+def _is_version(key: Any, value: str) -> bool:
+    """A package's version under its name (``"nvidia-cublas": "13.1.1.3"``): left as it is."""
+    return isinstance(key, str) and bool(_PACKAGE_NAME.fullmatch(key) and _DOTTED_QUAD.fullmatch(value))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -303,10 +331,11 @@ def _secret_name(name: str) -> bool:
     return is_secret_name(name)
 
 
-def _hostname() -> str:
-    from gpudiag.identity import hostname
+def _host_names() -> list[str]:
+    """The override (``GPUDIAG_HOSTNAME``) and the machine's own name: both are masked."""
+    from gpudiag.identity import host_names
 
-    return hostname()
+    return host_names()
 
 
 def _user() -> str:

@@ -73,6 +73,9 @@ def stop_on_signals() -> None:
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, interrupt)
     sys.unraisablehook = redeliver
+    from gpudiag.cleanup import watch_signals
+
+    watch_signals()  # (honoured within seconds even while the main thread is inside C++)
 
 
 def main() -> None:
@@ -97,6 +100,9 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    from gpudiag.cleanup import clean_up
+
+    clean_up()  # (what an interrupted command could not: normally nothing is left)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BrokenPipeError, ValueError):
             stream.flush()

@@ -51,6 +51,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpudiag.cleanup import WATCH_THREAD, track, untrack
 from gpudiag.codes import lookup
 from gpudiag.errors import EXIT_PROBLEM, GpudiagError, InputError
 from gpudiag.findings import Finding
@@ -134,7 +135,8 @@ def start_method(backend: str) -> str:
     wanted = os.environ.get(START_VARIABLE, "auto").strip().lower() or "auto"
     if wanted not in ("auto", "subprocess"):
         raise InputError(f"{START_VARIABLE}={wanted!r}: expected auto or subprocess")
-    forkable = "fork" in mp.get_all_start_methods() and threading.active_count() == 1
+    others = [t for t in threading.enumerate() if t.name != WATCH_THREAD and t is not threading.main_thread()]
+    forkable = "fork" in mp.get_all_start_methods() and not others
     if wanted == "auto" and forkable and backend == "gloo" and not torch.cuda.is_initialized():
         return "fork"
     return "subprocess"
@@ -181,6 +183,7 @@ class Ranks:
         _reap(self.procs)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+        untrack(self)
 
     def __enter__(self) -> Ranks:
         return self
@@ -206,9 +209,10 @@ def start(
     method = method or start_method(backend)
     if method not in ("fork", "subprocess"):
         raise ValueError(f"unknown start method {method!r}: expected fork or subprocess")
-    folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
     logs = None if _log_folder is None else str(_log_folder / f"launch{next(_launches)}")
-    ranks = Ranks([], folder, time.monotonic() + timeout, timeout)
+    with signals_held():  # (a signal now would leave the folder unnamed: delivered below)
+        folder = Path(tempfile.mkdtemp(prefix="gpudiag-ranks-"))
+        ranks = track(Ranks([], folder, time.monotonic() + timeout, timeout))
     try:
         if method == "subprocess":
             _write_job(folder / JOB_FILE, fn, args)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +62,42 @@ class Progress:
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.set(f"at/{self.rank}", f"{self.seq} {state} {name}")
+
+    def post(self, key: str, value: str) -> None:
+        """Leave ``value`` in the store under ``key`` (best effort)."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(key, value)
+
+    def posted(self, key: str) -> str | None:
+        """What :meth:`post` left under ``key``, or None (never waits)."""
+        if self.store is None:
+            return None
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            return None
+
+    def check_in(self) -> None:
+        """Say this rank still answers (after a collective failed: :meth:`silent`)."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"alive/{self.rank}", str(self.seq))
+
+    def silent(self, wait_s: float) -> list[int]:
+        """The ranks that have not checked in (:meth:`check_in`) within ``wait_s`` seconds:
+        those that stopped answering — a process that ended, a node gone. [] without a store."""
+        if self.store is None:
+            return []
+        end = time.monotonic() + wait_s
+        missing = list(range(self.world))
+        while missing:
+            with contextlib.suppress(Exception):
+                missing = [r for r in missing if not self.store.check([f"alive/{r}"])]
+            if not missing or time.monotonic() > end:
+                break
+            time.sleep(0.1)
+        return missing
 
     def stuck(self, waiting_in: str = "the next collective") -> list[tuple[int, str]]:
         """(rank, where) for the ranks furthest behind; [] when none stands out.
@@ -128,6 +166,8 @@ class Between:
         if self.options.stall == name:  # rehearsal: this rank never arrives
             time.sleep(self.options.phase_timeout * 2)
         self.progress.mark("in", name)
+        if self.options.stall == f"{name}:kill":  # rehearsal: this node dies inside it
+            os.kill(os.getpid(), signal.SIGKILL)
         try:
             yield
         except Exception as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -433,7 +434,12 @@ def judge(
             )
     for key in rules.get("host", []):
         facts = [(rec.get("host_facts") or {}).get(key) for rec in records]
-        text, odd = _odd_ones([None if f is None else json.dumps(f, sort_keys=True) for f in facts])
+        # each node's own name in a value (NCCL_DEBUG_FILE=/logs/$(hostname)/…) is not a difference
+        same = [
+            None if f is None else json.dumps(own_name_out(f, rec), sort_keys=True)
+            for f, rec in zip(facts, records, strict=True)
+        ]
+        text, odd = _odd_ones(same)
         value = None if text is None else json.loads(text)
         majority[f"host.{key}"] = value
         for i in odd:
@@ -575,3 +581,35 @@ def judge(
 def _figure(rec: Mapping[str, Any], figure: str) -> bool:
     value = (rec.get("figures") or {}).get(figure)
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: What stands for a node's own name in the host facts compared (:func:`own_name_out`).
+OWN_NAME = "<host>"
+
+
+def own_name_out(value: Any, record: Mapping[str, Any]) -> Any:
+    """``value`` with the node's own names — its ``host``, the other names it goes by
+    (``aliases``: the kernel's name under ``GPUDIAG_HOSTNAME``), each also without its
+    domain — replaced by :data:`OWN_NAME` as whole words in every string, so paths that
+    hold each node's name compare equal across nodes."""
+    aliases = record.get("aliases")
+    names = [record.get("host"), *(aliases if isinstance(aliases, list) else [])]
+    words = {w for n in names if isinstance(n, str) and n for w in (n, n.split(".")[0]) if w}
+    if not words:
+        return value
+    pattern = re.compile(
+        r"(?<![\w.-])(?:"
+        + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+        + r")(?![\w-])"
+    )
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, str):
+            return pattern.sub(OWN_NAME, item)
+        if isinstance(item, Mapping):
+            return {k: walk(v) for k, v in item.items()}
+        if isinstance(item, list):
+            return [walk(v) for v in item]
+        return item
+
+    return walk(value)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.errors import GpudiagError
-from gpudiag.identity import hostname
+from gpudiag.identity import host_names, hostname
 from gpudiag.repro.sweep.budget import MIN_PHASE_S, SKIPPED, Budget, BudgetSpent, hard_stop
 from gpudiag.repro.sweep.results import NODE_SCHEMA
 
@@ -282,6 +282,9 @@ def local_phase(
     record: dict[str, Any] = {
         "schema": NODE_SCHEMA,
         "host": ident.host,
+        # the other names this machine goes by (the kernel's, under GPUDIAG_HOSTNAME): in
+        # its host facts they are its own name, not a difference (judge.own_name_out)
+        "aliases": [name for name in host_names() if name != ident.host],
         "node": ident.node,
         "rank": ident.rank,
         "simulated": virtual,

@@ -19,20 +19,48 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
+from gpudiag.fileio import read_bounded
 from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, FleetVerdict, pair_rounds
-from gpudiag.repro.sweep.rules import FIGURES, check_rules
+from gpudiag.repro.sweep.rules import FIGURES, check_rules, parse_json
 
 NODE_SCHEMA = "gpudiag.sweep-node/1"
 RUN_SCHEMA = "gpudiag.sweep-run/1"
 RESULTS, SUMMARY, RUN, RULES, NODES = "results.jsonl", "SUMMARY.md", "sweep.json", "rules.json", "nodes"
 MAX_LINE_BYTES = 1 << 20  # a node's line is kilobytes; a megabyte is a damaged file
 MAX_RESULTS_BYTES = 4 << 30
+
+
+def sweep_files(folder: Path, listed: Collection[str] | None = None) -> list[str]:
+    """What in ``folder`` a sweep does not write (relative names, sorted): anything but
+    results.jsonl, sweep.json, rules.json, SUMMARY.md as regular files and ``nodes/``
+    holding only ``*.zip`` regular files — and, when the manifest ``listed`` the files
+    the sweep wrote (``files`` in sweep.json), anything not in that list. Empty for a
+    folder :func:`~gpudiag.repro.sweep.run.write_sweep` wrote."""
+    foreign: list[str] = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name == NODES and entry.is_dir() and not entry.is_symlink():
+            foreign += [
+                f"{NODES}/{e.name}"
+                for e in sorted(entry.iterdir())
+                if e.suffix != ".zip" or e.is_symlink() or not e.is_file()
+            ]
+        elif entry.name not in (RESULTS, RUN, RULES, SUMMARY) or entry.is_symlink() or not entry.is_file():
+            foreign.append(entry.name)
+    if listed is not None:
+        present = (
+            [f"{NODES}/{e.name}" for e in sorted((folder / NODES).glob("*"))]
+            if (folder / NODES).is_dir()
+            else []
+        )
+        present += [e.name for e in sorted(folder.iterdir()) if e.name != NODES]
+        foreign += [name for name in present if name not in listed and name not in foreign]
+    return sorted(foreign)
 
 
 @dataclass
@@ -80,6 +108,11 @@ def _check_fields(data: dict[str, Any], where: str) -> None:
     gpus = data.get("gpus")
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= 1 << 16):
         raise InputError(f"{where}: gpus must be a whole number from 0 to 65536, got {gpus!r}")
+    aliases = data.get("aliases")
+    if aliases is not None and (
+        not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases)
+    ):
+        raise InputError(f"{where}: aliases must be a list of host names")
     if data.get("host_facts") is not None and not isinstance(data["host_facts"], dict):
         raise InputError(f"{where}: host_facts must be an object")
     digest = data.get("topology_digest")
@@ -125,11 +158,7 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
                     raise InputError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
                 if not line.strip():
                     continue
-                try:
-                    data = json.loads(line)
-                except ValueError as exc:
-                    raise InputError(f"{path}:{number}: not JSON ({exc})") from None
-                records.append(check_record(data, f"{path}:{number}"))
+                records.append(check_record(parse_json(line, f"{path}:{number}"), f"{path}:{number}"))
     except OSError as exc:
         raise InputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if not records:
@@ -149,10 +178,7 @@ def read_sweep(folder: str | Path) -> Sweep:
         path = folder / name
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{path}: cannot read it ({exc})") from None
+        data = parse_json(read_bounded(path, "sweep file"), str(path))
         if name == RUN:
             if not isinstance(data, dict) or data.get("schema") != RUN_SCHEMA:
                 raise InputError(f"{path}: not a {RUN_SCHEMA} document")
@@ -182,11 +208,15 @@ def _cell(value: Any) -> str:
 
 
 def headline(verdict: FleetVerdict) -> str:
-    """``4 nodes: 3 healthy, 1 problem (node2), 0 no result``."""
+    """``4 node(s): 3 healthy, 1 problem, 0 no result — named: node2``; a sweep that
+    stopped before the end says so (``— the sweep did not finish; named: node1``)."""
     data = verdict.to_json()
     named = ", ".join(v.host for v in verdict.named[:8]) + (" …" if len(verdict.named) > 8 else "")
     line = f"{len(verdict.nodes)} node(s): {data['healthy']} healthy, {data['problem']} problem, "
     line += f"{data['no_result']} no result"
+    if verdict.failed:  # (never "healthy — nobody named" for a sweep that stopped half way)
+        line += " — the sweep did not finish"
+        return line + (f"; named: {named}" if named else "; no rank named (see the notes)")
     return line + (f" — named: {named}" if named else " — nobody named")
 
 

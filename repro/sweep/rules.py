@@ -164,14 +164,25 @@ def check_baseline(data: Any, name: str = "baseline") -> dict[str, dict[str, flo
 
 
 def _read_json(path: str | Path, what: str) -> Any:
+    """The JSON document of a small input file: read bounded (64 MiB,
+    :func:`~gpudiag.fileio.read_bounded`), UTF-8; anything else is one line, exit 2."""
+    from gpudiag.fileio import read_bounded
+
+    return parse_json(read_bounded(path, what), f"{what} {path}")
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    """``data`` parsed as UTF-8 JSON, or :class:`InputError` naming ``where``: not UTF-8,
+    not JSON, or nested too deep for Python's parser (RecursionError, as the bundle and
+    checkpoint readers catch it)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        return json.loads(text)
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    except RecursionError:
+        raise InputError(f"{where}: not JSON (nested too deep)") from None
     except ValueError as exc:
-        raise InputError(f"{what} {path}: not JSON ({exc})") from None
+        raise InputError(f"{where}: not JSON ({exc})") from None
 
 
 def load_rules(path: str | Path | None) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from gpudiag.repro.sweep.results import (
     RUN,
     RUN_SCHEMA,
     SUMMARY,
+    check_record,
     results_jsonl,
     summary_markdown,
 )
@@ -101,6 +102,11 @@ def flight_settings(backend: str, scratch: Path) -> dict[str, str]:
     return {**{k: v.format(scratch=scratch) for k, v in recorder.items()}, "NCCL_ALGO": "Ring"}
 
 
+#: How long rank 0 waits, once a collective failed, for every rank to say it still
+#: answers (:meth:`~gpudiag.repro.sweep.between.Progress.silent`); the ranks that do not
+#: are named (a node killed mid-sweep: its peers' collectives fail at once, on gloo).
+CHECK_IN_S = 15.0
+
 DUMP_PREFIX = "nccl_trace_rank_"  # (the dump of rank R: <scratch>/nccl_trace_rank_R)
 
 
@@ -138,13 +144,86 @@ def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
 
 
 def check_output(options: SweepOptions) -> Path:
-    """The output folder, refused before anything runs when gpudiag may not write it."""
+    """The output folder, refused before anything runs when gpudiag may not write it: an
+    existing one only with ``--force``, and only when it is a sweep gpudiag wrote and holds
+    nothing else (:func:`not_a_sweep`)."""
     from gpudiag.fileio import check_target
 
-    def not_a_sweep(path: Path) -> str | None:
-        return None if (path / RESULTS).is_file() or (path / RUN).is_file() else "not a gpudiag sweep folder"
-
     return check_target(options.output, force=options.force, folder=True, replaceable=not_a_sweep)
+
+
+def not_a_sweep(path: Path) -> str | None:
+    """None when ``path`` is a sweep folder gpudiag wrote — its manifest ``sweep.json`` (a
+    regular file, read bounded) names the ``gpudiag.sweep-run/`` schema — holding only what
+    a sweep writes (:func:`~gpudiag.repro.sweep.results.sweep_files`); else why ``--force``
+    may not replace it. A file a user added is never deleted: the folder is refused, naming it."""
+    from gpudiag.fileio import read_bounded
+    from gpudiag.repro.sweep.results import sweep_files
+    from gpudiag.repro.sweep.rules import parse_json
+
+    manifest = path / RUN
+    if manifest.is_symlink() or not manifest.is_file():
+        return f"not a gpudiag sweep folder (no {RUN})"
+    try:
+        document = parse_json(read_bounded(manifest, "sweep manifest"), str(manifest))
+    except InputError:
+        return f"not a gpudiag sweep folder (no readable {RUN})"
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if not (isinstance(schema, str) and schema.startswith("gpudiag.sweep-run/")):
+        return f"not a gpudiag sweep folder ({RUN} has no gpudiag sweep schema)"
+    listed = document.get("files")
+    ok = isinstance(listed, list) and all(isinstance(n, str) for n in listed)
+    foreign = sweep_files(path, set(listed) if ok else None)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds files a sweep does not write ({shown}): move them out first"
+    return None
+
+
+#: How long rank 0, having refused ``-o``, waits for the other ranks to read why before it
+#: exits (its exit ends torchrun's agent, and with it the store they read from).
+REFUSAL_WAIT_S = 30.0
+
+
+def agree_on_output(
+    ident: Identity, refusal: InputError | None, env: Mapping[str, str], timeout: float
+) -> None:
+    """Rank 0's answer on ``-o`` (written, or refused and why) passed to every rank through
+    torchrun's own store (its agent's, at ``MASTER_ADDR:MASTER_PORT``, which exists before
+    any process group does), so when rank 0 refuses the output folder every node refuses
+    too, at once (exit 2), instead of waiting for a group that rank 0 never joins. Rank 0
+    waits up to :data:`REFUSAL_WAIT_S` for the others to read a refusal. Nothing happens
+    without the agent's store (``TORCHELASTIC_USE_AGENT_STORE``: another launcher) or when it
+    cannot be reached; a rank that gets no answer within ``timeout`` goes on as before."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT", "").isdigit():
+        return
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        prefix = f"gpudiag-sweep-output/{run}/"
+        key = prefix + "answer"
+        if ident.rank == 0:
+            store.set(key, "ok" if refusal is None else f"refused {refusal}")
+            if refusal is not None:
+                others = [f"{prefix}read/{r}" for r in range(1, ident.world)]
+                end = time.monotonic() + min(timeout, REFUSAL_WAIT_S)
+                while time.monotonic() < end and not store.check(others):
+                    time.sleep(0.05)
+            return
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        answer = store.get(key).decode()
+        store.set(f"{prefix}read/{ident.rank}", "1")
+    except Exception:  # (no store to reach, or no answer in time: the join decides, as before)
+        return
+    if answer.startswith("refused "):
+        raise InputError(f"rank 0 refused the output folder: {answer.removeprefix('refused ')}")
 
 
 def _backend(options: SweepOptions, ident: Identity) -> str:
@@ -238,17 +317,34 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
     rules = load_rules(options.rules)
     baseline = load_baseline(options.baseline)
     hosts, hosts_from = expected_hosts(options.expect_hosts, env)
-    folder = check_output(options) if ident.rank == 0 else None
-    if options.stall is not None and options.stall not in STALLABLE:
-        raise InputError(f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)}")
-    if options.stall is not None and (why := stall_cannot_fire(options.stall, ident)):
+    folder = refusal = None
+    if ident.rank == 0:
+        try:
+            folder = check_output(options)
+        except InputError as exc:
+            refusal = exc
+    if ident.torchrun and ident.world > 1:  # every node learns rank 0's answer, before any group
+        agree_on_output(ident, refusal, env, options.phase_timeout)
+    if refusal is not None:
+        raise refusal
+    stall = None if options.stall is None else options.stall.removesuffix(":kill")
+    if stall is not None and stall not in STALLABLE:
+        raise InputError(
+            f"--inject-stall {options.stall!r}: expected one of {', '.join(STALLABLE)} "
+            "(NAME:kill: the node's process is killed there instead)"
+        )
+    if stall is not None and (why := stall_cannot_fire(stall, ident)):
         raise InputError(
             f"--inject-stall {options.stall}: it cannot fire here ({why}); a rehearsed hang that never "
             "happens would pass as a healthy sweep"
         )
     backend = _backend(options, ident)
     budget = Budget.for_quick(options.quick) if options.budget is None else Budget(options.budget)
-    scratch = Path(tempfile.mkdtemp(prefix="gpudiag-sweep-"))
+    from gpudiag.cleanup import track, untrack
+    from gpudiag.runtime.launch import signals_held
+
+    with signals_held():  # (removed by the CLI's clean-up too, if a signal stops the process)
+        scratch = track(Path(tempfile.mkdtemp(prefix="gpudiag-sweep-")))
     started = time.perf_counter()
     try:
         with _pinned(scratch, backend) as settings:
@@ -256,6 +352,7 @@ def sweep(options: SweepOptions, environ: Mapping[str, str] | None = None) -> Sw
             return _run(options, ident, backend, scratch, settings, started, judged, budget)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        untrack(scratch)
 
 
 def _run(
@@ -316,6 +413,8 @@ def _between(
 
     def rank_fn(rank: int, world: int) -> bytes:
         b = Between(ident, options, backend, deadline, budget)
+        if local is not None:  # (in the store too: rank 0 has it if a collective fails before the gather)
+            b.progress.post(f"record/{ident.node}", json.dumps({"record": local.record, "rank": rank}))
         try:
             between_nodes(b, None if local is None else local.record, out)
             payload = None
@@ -326,7 +425,20 @@ def _between(
             out.bundles = {host: data for host, data in (g for g in gathered if g is not None)}
         except CollectiveHung as exc:
             out.failure = exc
+            b.progress.check_in()  # (this rank still answers: rank 0 names those that do not)
             out.stuck = b.progress.stuck(exc.name) if rank == 0 else []
+            if rank == 0 and not out.stuck:  # every rank was in the same place: who is gone?
+                wait = min(b.timeout, CHECK_IN_S)
+                out.stuck = [
+                    (r, f"in {exc.name} (its process ended or its node went away)")
+                    for r in b.progress.silent(wait)
+                ]
+            if rank == 0:  # the records of nodes that sent one before the failure
+                for number in range(ident.nodes):
+                    posted = None if number in out.records else b.progress.posted(f"record/{number}")
+                    if posted is not None:
+                        with contextlib.suppress(InputError, ValueError, KeyError, TypeError):
+                            out.records[number] = check_record(json.loads(posted)["record"], f"node {number}")
             dump_flight_recorder(scratch, rank, backend)  # (rank 0's goes into its bundle)
             raise
         return b""
@@ -381,8 +493,9 @@ def _finish(
         )
     hosts, hosts_from = expected
     verdict = judge(records, expected_hosts=hosts, rules=rules, baseline=baseline, expected_nodes=ident.nodes)
-    if out.failure is not None and verdict.exit_code == 0:
-        verdict.notes.append("the sweep did not finish (see the notes): exit 1")
+    if out.failure is not None:
+        if verdict.exit_code == 0:
+            verdict.notes.append("the sweep did not finish (see the notes): exit 1")
         verdict.failed = True
     run = {
         "schema": RUN_SCHEMA,
@@ -432,10 +545,13 @@ def write_sweep(
     force: bool,
 ) -> Path:
     """The sweep folder, written whole beside its place and renamed into it."""
-    from gpudiag.fileio import write_folder
+    from gpudiag.fileio import check_target, write_folder
     from gpudiag.redact import Redactor
 
     redactor = Redactor()
+    nodes = {f"{NODES}/{_safe(host)}.zip": data for host, data in bundles.items()}  # (redacted on their node)
+    # the manifest lists every file the sweep wrote: --force replaces those and nothing else
+    run = {**run, "files": sorted([RESULTS, RUN, RULES, SUMMARY, *nodes])}
     files = {
         RESULTS: results_jsonl(records).encode(),
         RUN: (json.dumps(run, indent=1) + "\n").encode(),
@@ -443,8 +559,15 @@ def write_sweep(
         SUMMARY: summary_markdown(verdict, records, run).encode(),
     }
     files = {name: redactor.bytes(data) for name, data in files.items()}
-    for host, data in bundles.items():  # (redacted on their node)
-        files[f"{NODES}/{_safe(host)}.zip"] = data
+    files.update(nodes)
+    # checked again now, as it is written: a folder that appeared at -o while the sweep ran
+    # (another sweep's, the user's) is replaced only as --force allows, never otherwise
+    try:
+        check_target(folder, force=force, folder=True, replaceable=not_a_sweep)
+    except InputError as exc:
+        raise InputError(
+            f"{exc} (checked again as the sweep finished: its results were not written)"
+        ) from None
     return write_folder(folder, files)
 
 
@@ -472,6 +595,7 @@ def rejudge(
         asked = expected_hosts(expect_hosts, {})[0] if expect_hosts is not None else []
         hosts = asked or list(data.run.get("expected_hosts") or [])
         verdict = judge(data.records, expected_hosts=hosts, rules=used, baseline=load_baseline(baseline))
+        verdict.failed = data.run.get("finished") is False  # (it stopped half way: never "healthy")
     return verdict, data
 
 
