@@ -14,17 +14,9 @@ from click.testing import CliRunner
 from gpudiag.cli import cli
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.hosts import expand_nodelist, expected_hosts
-from gpudiag.repro.sweep.judge import (
-    HEALTHY,
-    NO_RESULT,
-    PROBLEM,
-    first_round,
-    judge,
-    judge_round,
-    leave_one_out_medians,
-    median,
-    next_round,
-)
+from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, PROBLEM, judge
+from gpudiag.repro.sweep.links import first_round, judge_round, next_round
+from gpudiag.repro.sweep.problems import leave_one_out_medians, median
 from gpudiag.repro.sweep.results import NODE_SCHEMA, RESULTS, RULES, RUN, RUN_SCHEMA, results_jsonl
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, check_baseline, check_rules, load_rules
 from tests.procfs import children
@@ -165,7 +157,7 @@ def _pair_test(nodes: list[int], slow: set[int], corrupt: set[int]) -> list[dict
             for me, peer in ((a, b), (b, a)):
                 entry = {"round": rnd, "peer": peer, "busbw_gbps": bw, "ok": me not in corrupt, "wrong": 0}
                 records[me]["pairs"].append(entry)
-        from gpudiag.repro.sweep.judge import pair_rounds
+        from gpudiag.repro.sweep.links import pair_rounds
 
         history[rnd] = judge_round(pair_rounds(list(records.values()))[rnd], 0.8, None if rnd == 1 else 45.0)
         pairs, rnd = next_round(nodes, history), rnd + 1

@@ -17,8 +17,9 @@ from typing import Any
 
 from gpudiag.errors import GpudiagError
 from gpudiag.repro.sweep.budget import SKIPPED, WRITE_RESERVE_S, Budget
-from gpudiag.repro.sweep.judge import first_round, judge_round, median, next_round, pair_figures, pair_rounds
+from gpudiag.repro.sweep.links import first_round, judge_round, next_round, pair_figures, pair_rounds
 from gpudiag.repro.sweep.node import Identity, SweepOptions
+from gpudiag.repro.sweep.problems import median
 from gpudiag.repro.sweep.rules import load_rules
 
 MAX_ROUNDS = 4  # of the pairwise link test: round 1, then at most 3 re-pairing rounds

@@ -26,7 +26,8 @@ from typing import Any
 
 from gpudiag.errors import InputError
 from gpudiag.fileio import read_bounded
-from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, FleetVerdict, pair_rounds
+from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, FleetVerdict
+from gpudiag.repro.sweep.links import pair_rounds
 from gpudiag.repro.sweep.rules import FIGURES, check_rules, parse_json
 
 NODE_SCHEMA = "gpudiag.sweep-node/1"
