@@ -52,7 +52,8 @@ FLIGHT_RECORDER_NCCL = {
 
 
 def flight_settings(backend: str, scratch: Path) -> dict[str, str]:
-    """The variables :func:`~gpudiag.repro.sweep.run.sweep` sets for ``backend`` (before the user's own win)."""
+    """The variables :func:`~gpudiag.repro.sweep.run.sweep` sets for ``backend`` (before
+    the user's own win)."""
     recorder = {**FLIGHT_RECORDER, **(FLIGHT_RECORDER_NCCL if backend == "nccl" else {})}
     return {**{k: v.format(scratch=scratch) for k, v in recorder.items()}, "NCCL_ALGO": "Ring"}
 
