@@ -2,9 +2,9 @@
 
 Trains the same model, data and seed for N steps on each GPU alone and on each selected
 pair (``dp`` or ``ddp``), watching every step through the runtime: non-finite loss,
-explosion (loss above :data:`EXPLOSION_FACTOR` × its first value), and — from the
-runtime's record — the first transfer (``dp``) or all-reduce bucket (``ddp``) that carried
-non-finite or corrupted data. Then concludes with one finding:
+explosion (loss above :data:`~gpudiag.checks.nancheck_report.EXPLOSION_FACTOR` × its first
+value), and — from the runtime's record — the first transfer (``dp``) or all-reduce bucket
+(``ddp``) that carried non-finite or corrupted data. Then concludes with one finding:
 
 - ``link-corruption``: only pairs over particular links fail, and their GPUs are healthy
   elsewhere (alone and in other pairs);
@@ -26,132 +26,28 @@ detector is tested and demonstrated without GPUs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from gpudiag import defaults as D
 from gpudiag.checks.gradcheck.explain import asks_for_unused, unused_retry_finding
+from gpudiag.checks.nancheck_report import EXPLOSION_FACTOR, NancheckReport, Outcome
+from gpudiag.checks.nancheck_rules import conclude
 from gpudiag.checks.options import NANCHECK, NancheckOptions, specs
 from gpudiag.errors import CannotRunHere, GpudiagError, InputError, from_user_code, naming_model
-from gpudiag.findings import Finding, short_repr
+from gpudiag.findings import Finding
 from gpudiag.hw.cuda import cuda_device_count
 from gpudiag.parsers import parse_pairs
 from gpudiag.progress import note
-from gpudiag.render.jsonout import losses as losses_json
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult, run
 from gpudiag.runtime.config import ModelFn
-from gpudiag.runtime.faults import check_fires, for_devices, parse_fault, rehearsal
-from gpudiag.topology.analysis import best_groups, cuda_visible_devices
-from gpudiag.topology.model import Topology, path_of
+from gpudiag.runtime.faults import check_fires, for_devices, parse_fault
+from gpudiag.topology.model import Topology
 
-SCHEMA = "gpudiag.nancheck/1"
-#: A loss above this multiple of its first value is an explosion.
-EXPLOSION_FACTOR = 100.0
 #: What torch's DDP raises for SyncBatchNorm on CPU tensors.
 SYNCBN_REFUSED = "SyncBatchNorm layers only work with GPU modules"
-
-
-@dataclass
-class Outcome:
-    """One training run: a single GPU or a pair."""
-
-    devices: tuple[int, ...]
-    status: str  # ok | diverged | exploded | crashed | hung
-    first_bad_step: int | None
-    losses: list[float]
-    first_bad_transfer: dict[str, Any] | None = None
-    error: str | None = None
-    recorder: Any = None  # the runtime's record of the run (for --trace)
-    failure: RankFailure | None = None  # what crashed or hung, with the rank's traceback
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-@dataclass
-class NancheckReport:
-    verdict: str  # pass | fail
-    strategy: str
-    steps: int
-    singles: list[Outcome]
-    pairs: list[Outcome]
-    links: dict[tuple[int, ...], str | None]
-    findings: list[Finding]
-    topology: Topology | None
-    config: dict[str, Any] = field(default_factory=dict)
-    machine_source: str | None = None  # the file virtual devices were laid out like, if known
-
-    def __repr__(self) -> str:
-        return short_repr(self, self.verdict, self.findings, singles=len(self.singles), pairs=len(self.pairs))
-
-    def exit_code(self) -> int:
-        return 0 if self.verdict == "pass" else 1
-
-    @property
-    def simulated(self) -> bool:
-        """Whether training ran on CPU virtual devices laid out like a machine, not on GPUs."""
-        return self.topology is not None or self.config.get("devices") == "virtual"
-
-    @property
-    def simulation(self) -> str | None:
-        """What was simulated, in one sentence (None on real GPUs)."""
-        if not self.simulated:
-            return None
-        return (
-            f"simulated on CPU virtual devices laid out like {self._source}: "
-            "training ran on the CPU, not on the machine's GPUs, and only faults given with --inject "
-            "can appear, so a pass says nothing about its GPUs or links"
-        )
-
-    @property
-    def _source(self) -> str:
-        return str(self.machine_source or self.config.get("machine") or "a machine file")
-
-    @property
-    def recorders(self) -> dict[str, Any]:
-        """Each run's record, named ``GPU5`` or ``GPU5+GPU6`` (for ``--trace``)."""
-        runs = [*self.singles, *self.pairs]
-        return {"+".join(f"GPU{g}" for g in o.devices): o.recorder for o in runs if o.recorder is not None}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "verdict": self.verdict,
-            "simulated": self.simulated,
-            "simulation": self.simulation,
-            "rehearsal": rehearsal(self.config.get("inject") or []),
-            "strategy": self.strategy,
-            "steps": self.steps,
-            "explosion_factor": EXPLOSION_FACTOR,
-            "config": self.config,
-            "singles": [
-                {
-                    "device": o.devices[0],
-                    "status": o.status,
-                    "first_bad_step": o.first_bad_step,
-                    **losses_json(o.losses),
-                    "error": o.error,
-                }
-                for o in self.singles
-            ],
-            "pairs": [
-                {
-                    "a": o.devices[0],
-                    "b": o.devices[1],
-                    "link": self.links.get(o.devices),
-                    "status": o.status,
-                    "first_bad_step": o.first_bad_step,
-                    "first_bad_transfer": o.first_bad_transfer,
-                    **losses_json(o.losses),
-                    "error": o.error,
-                }
-                for o in self.pairs
-            ],
-            "findings": [f.to_json() for f in self.findings],
-        }
 
 
 def _outcome(devices: tuple[int, ...], result: RunResult, strategy: str) -> Outcome:
@@ -336,202 +232,6 @@ def _run(model_factory: Any, inputs: Any, targets: Any, config: RunConfig) -> Ru
     except (Exception, SystemExit) as exc:
         where = f"the model under {config.strategy} on device {','.join(map(str, devices))}"
         raise from_user_code(exc, where) from exc
-
-
-def _confirm_and_fix(machine: Topology | None) -> tuple[str, str]:
-    confirm = (
-        "rerun the failing pair with NCCL_P2P_DISABLE=1 (and for DataParallel, stage copies through the host)"
-    )
-    fix = "check IOMMU/ACS on the host (kernel parameter iommu=pt, or pci=noacs / ACS off in the BIOS)"
-    if machine is not None:
-        groups = [
-            g
-            for g in best_groups(machine, 2)
-            if path_of(machine.cell(f"GPU{g[0]}", f"GPU{g[1]}")) == "NVLINK"
-        ]
-        if groups:
-            fix += f"; meanwhile train on NVLink pairs, e.g. `{cuda_visible_devices(groups[0])}`"
-    return confirm, fix
-
-
-def conclude(
-    singles: list[Outcome],
-    pairs: list[Outcome],
-    links: dict[tuple[int, ...], str | None],
-    machine: Topology | None,
-    strategy: str,
-) -> list[Finding]:
-    """One finding from the pattern of failures (see the module docstring), made from the
-    runs that trained; and a ``rank-crashed`` finding for the pairs that crashed, which
-    say nothing about their links or GPUs."""
-    crashed = [o for o in pairs if o.status == "crashed"]
-    trained = [o for o in pairs if o.status != "crashed"]
-    return _from_training(singles, trained, links, machine, strategy) + _crashes(crashed, strategy)
-
-
-def _crashes(crashed: list[Outcome], strategy: str) -> list[Finding]:
-    """One ``rank-crashed`` finding for the pairs whose runs crashed (the first one's
-    error and traceback; each pair's error in ``errors``), or none."""
-    if not crashed:
-        return []
-    first = crashed[0]
-    names = " ".join(f"({o.devices[0]},{o.devices[1]})" for o in crashed)
-    return [
-        Finding(
-            "rank-crashed",
-            "error",
-            f"{strategy} crashed on pair(s) {names}: {first.error}; a crash is no evidence about a link "
-            "or a GPU, so nothing is concluded from these pairs",
-            {
-                "pairs": [list(o.devices) for o in crashed],
-                "strategy": strategy,
-                "rank": first.failure.rank if first.failure is not None else None,
-                "detail": first.failure.detail if first.failure is not None else "",
-                "errors": [o.error for o in crashed],
-            },
-            cause="the model, its setup under this strategy, or gpudiag: the run raised before it could "
-            "say anything about the pair's link",
-            fix="read the rank's traceback (evidence.detail, or --format json); rerun with the same seed "
-            "to reproduce; gpudiag gradcheck with --strategies single," + strategy + " shows it too",
-        )
-    ]
-
-
-def _from_training(
-    singles: list[Outcome],
-    pairs: list[Outcome],
-    links: dict[tuple[int, ...], str | None],
-    machine: Topology | None,
-    strategy: str,
-) -> list[Finding]:
-    """:func:`conclude` over the runs that trained (every single, the pairs that did not crash)."""
-    bad_singles = [o for o in singles if not o.ok]
-    bad_pairs = [o for o in pairs if o.status in ("diverged", "hung")]
-    exploded = [o for o in pairs if o.status == "exploded"]
-    confirm, fix = _confirm_and_fix(machine)
-    if singles and len(bad_singles) == len(singles):
-        return [
-            Finding(
-                "numeric-divergence",
-                "error",
-                f"training diverges on every GPU alone too (first at step "
-                f"{min(o.first_bad_step or 0 for o in bad_singles)}): the model or the learning rate, "
-                "not the hardware",
-                {
-                    "singles": [o.devices[0] for o in bad_singles],
-                    "first_bad_step": min(o.first_bad_step or 0 for o in bad_singles),
-                },
-                cause="a learning rate too high for the model, or an unstable model/loss",
-                fix="lower the learning rate, add warm-up or gradient clipping, check the loss for log(0)",
-            )
-        ]
-    gpus = sorted({g for o in singles for g in o.devices} | {g for o in pairs for g in o.devices})
-    for g in gpus:
-        with_g = [o for o in pairs if g in o.devices]
-        alone_bad = any(o.devices == (g,) for o in bad_singles)
-        others_ok = all(o.ok or g in o.devices for o in pairs)
-        if (alone_bad or (with_g and all(o in bad_pairs for o in with_g) and len(with_g) > 1)) and others_ok:
-            return [
-                Finding(
-                    "device-fault",
-                    "error",
-                    f"GPU {g} fails {'alone and ' if alone_bad else ''}in every pair it is in "
-                    f"({len(with_g)} pair(s)); pairs without it train",
-                    {
-                        "device": g,
-                        "pairs": [list(o.devices) for o in with_g if o in bad_pairs],
-                        "first_bad_step": min((o.first_bad_step or 0) for o in with_g if o in bad_pairs)
-                        if any(o in bad_pairs for o in with_g)
-                        else None,
-                    },
-                    cause="one GPU (its memory, its PCIe link or its driver state) corrupts what it "
-                    "receives or computes",
-                    fix=f"take GPU {g} out of service (CUDA_VISIBLE_DEVICES without it) and check "
-                    f"`nvidia-smi -q -i {g}` for ECC/Xid errors; {confirm}",
-                )
-            ]
-    if bad_pairs and all(_arose_in_compute(o.first_bad_transfer) for o in bad_pairs):
-        first = min(bad_pairs, key=lambda o: o.first_bad_step or 10**9)
-        names = " ".join(f"({o.devices[0]},{o.devices[1]})" for o in bad_pairs)
-        return [
-            Finding(
-                "pair-numeric-divergence",
-                "warning",
-                f"training diverges on pair(s) {names} while each GPU trains alone, but the first "
-                "non-finite values arose in the "
-                f"{'ranks' if strategy == 'ddp' else 'replicas'}' own computation (step "
-                f"{first.first_bad_step}), before any transfer: the split batch, not the link",
-                {
-                    "pairs": [list(o.devices) for o in bad_pairs],
-                    "first_bad_step": first.first_bad_step,
-                    "first_bad_transfer": first.first_bad_transfer,
-                    "strategy": strategy,
-                },
-                cause="each device trains on a part of the batch: BatchNorm statistics of a few samples, "
-                "or a model and learning rate that are unstable at that per-device batch",
-                fix="use a larger per-device batch (--batch-size), SyncBatchNorm under DDP, or a lower "
-                "learning rate; to test the links themselves, nancheck a model that is stable on small "
-                "batches (the default mlp)",
-            )
-        ]
-    if bad_pairs:
-        failing = [list(o.devices) for o in bad_pairs]
-        kinds = sorted({links.get(o.devices) or "unknown" for o in bad_pairs})
-        first = min(bad_pairs, key=lambda o: o.first_bad_step or 10**9)
-        where = first.first_bad_transfer
-        place = (
-            f"; first bad data at step {where['step']} in the {where['phase']} {where['src']}->{where['dst']}"
-            if where
-            else ""
-        )
-        healthy = sorted({g for o in bad_pairs for g in o.devices})
-        return [
-            Finding(
-                "link-corruption",
-                "error",
-                f"training breaks only on pair(s) {' '.join(f'({a},{b})' for a, b in failing)} over "
-                f"{', '.join(kinds)}{place}; the same GPUs train fine alone and in other pairs",
-                {
-                    "pairs": failing,
-                    "links": kinds,
-                    "first_bad_step": first.first_bad_step,
-                    "first_bad_transfer": where,
-                    "healthy_gpus": healthy,
-                    "strategy": strategy,
-                },
-                cause="the peer-to-peer path between these GPUs corrupts or drops data (IOMMU/ACS redirect, "
-                "a GPU that advertises P2P it cannot do) — not the model",
-                fix=f"confirm: {confirm}; fix: {fix}",
-            )
-        ]
-    if exploded:
-        return [
-            Finding(
-                "loss-explosion",
-                "warning",
-                f"the loss grew past {EXPLOSION_FACTOR:g}x its first value on pair(s) "
-                f"{' '.join(f'({o.devices[0]},{o.devices[1]})' for o in exploded)} while single GPUs train",
-                {
-                    "pairs": [list(o.devices) for o in exploded],
-                    "first_bad_step": min(o.first_bad_step or 0 for o in exploded),
-                },
-                cause="scaled or slightly corrupted data on a link, or a parallel setup that changes the "
-                "effective learning rate",
-                fix=f"check the link: {confirm}; compare gradients with `gpudiag gradcheck`",
-            )
-        ]
-    return []
-
-
-def _arose_in_compute(where: dict[str, Any] | None) -> bool:
-    """Whether the first bad data was already non-finite where it was made: before DDP's
-    all-reduce on its rank, or sent non-finite (and received as sent) over a DataParallel
-    transfer. A link that corrupts shows finite data sent and bad data received."""
-    if where is None:
-        return False
-    if where.get("phase") == "allreduce":
-        return bool(where.get("before_allreduce"))
-    return bool(where.get("nonfinite")) and not where.get("corrupted")
 
 
 def nancheck_spec(

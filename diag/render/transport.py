@@ -2,7 +2,7 @@
 devices or bus ids, hosts, transport, channels, what the topology offers — then unread
 lines and findings), ``json`` (``gpudiag.transport/1``) and ``markdown``.
 
-The result is read by its attributes (a :class:`~gpudiag.transport.analysis.TransportReport`).
+The result is read by its attributes (a :class:`~gpudiag.transport.report.TransportReport`).
 """
 
 from __future__ import annotations

@@ -2,5 +2,5 @@
 
 :mod:`.reader` reads ``NCCL_DEBUG=INFO`` logs into connections; :mod:`.analysis` groups
 them into pairs, puts the topology beside them and raises findings
-(:class:`~gpudiag.transport.analysis.TransportReport`).
+(:class:`~gpudiag.transport.report.TransportReport`).
 """

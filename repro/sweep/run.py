@@ -21,11 +21,12 @@ node's *leader* and does the node's work, the others join the collectives):
    to rank 0 (``gather_object``); rank 0 judges and writes the sweep folder.
 
 The sweep pins ``NCCL_ALGO`` (default Ring) so figures compare, and turns on PyTorch's
-flight recorder (:data:`FLIGHT_RECORDER`; under NCCL also its older ``TORCH_NCCL_*``
-names, which NCCL's watchdog reads) with its dumps in the sweep's own temporary folder, and
-``TORCH_NCCL_NAN_CHECK``; dumps found there go into the node's bundle (``flight/``), and
-when one of the sweep's collectives hangs each rank dumps its record there itself
-(:func:`dump_flight_recorder`). On gloo (CPU) NCCL_ALGO and the NaN check have no effect.
+flight recorder (:data:`~gpudiag.repro.sweep.flight.FLIGHT_RECORDER`; under NCCL also
+its older ``TORCH_NCCL_*`` names, which NCCL's watchdog reads) with its dumps in the
+sweep's own temporary folder, and ``TORCH_NCCL_NAN_CHECK``; dumps found there go into the
+node's bundle (``flight/``), and when one of the sweep's collectives hangs each rank dumps
+its record there itself (:func:`~gpudiag.repro.sweep.flight.dump_flight_recorder`). On
+gloo (CPU) NCCL_ALGO and the NaN check have no effect.
 """
 
 from __future__ import annotations
@@ -47,9 +48,13 @@ from typing import Any
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.between import STALLABLE, Between, CollectiveHung, Outcome, between_nodes
 from gpudiag.repro.sweep.budget import Budget
+from gpudiag.repro.sweep.flight import DUMP_PREFIX, dump_flight_recorder, flight_settings
+from gpudiag.repro.sweep.flight import FLIGHT_RECORDER as FLIGHT_RECORDER
+from gpudiag.repro.sweep.flight import FLIGHT_RECORDER_NCCL as FLIGHT_RECORDER_NCCL
 from gpudiag.repro.sweep.hosts import expected_hosts
 from gpudiag.repro.sweep.judge import FleetVerdict, judge
 from gpudiag.repro.sweep.node import LOCAL_CHECKS, Identity, Local, SweepOptions, local_phase
+from gpudiag.repro.sweep.output import agree_on_output, check_output, not_a_sweep
 from gpudiag.repro.sweep.results import (
     NODES,
     RESULTS,
@@ -64,166 +69,12 @@ from gpudiag.repro.sweep.results import (
 from gpudiag.repro.sweep.rules import load_baseline, load_rules
 
 __all__ = ["LOCAL_CHECKS", "SweepOptions", "SweepRun", "rejudge", "sweep"]
-#: Settings the sweep turns on for its own collectives (unless already set), before any
-#: process group exists: PyTorch's flight recorder, with its dumps in the sweep's own
-#: folder (``{scratch}``), and NCCL's NaN check. PyTorch reads each under different names
-#: in different places (read in torch 2.15's headers, include/torch/csrc/distributed/c10d/):
-#:
-#: - FlightRecorder.hpp: the buffer is ``TORCH_FR_BUFFER_SIZE`` or (older name)
-#:   ``TORCH_NCCL_TRACE_BUFFER_SIZE``; dump-on-timeout ``TORCH_FR_DUMP_ON_TIMEOUT`` or
-#:   ``TORCH_NCCL_DUMP_ON_TIMEOUT`` — gloo's recorder and NCCL's;
-#: - ProcessGroupNCCL.hpp: its watchdog reads only ``TORCH_NCCL_DUMP_ON_TIMEOUT`` and
-#:   ``TORCH_NCCL_TRACE_BUFFER_SIZE`` ("must be set together"), and ``TORCH_NCCL_NAN_CHECK``;
-#: - FlightRecorder.cpp (pytorch/pytorch, ``DebugInfoWriter::getWriter``): the dump goes
-#:   to ``<prefix><rank>``, the prefix from ``TORCH_FR_DUMP_TEMP_FILE`` or
-#:   ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``~/.cache/torch/comm_lib_trace_rank_``;
-#:   older releases read ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` alone, default
-#:   ``/tmp/nccl_trace_rank_``).
-#:
-#: Utils.hpp's ``getCvar*`` warns once per process ("is deprecated; use TORCH_FR_...")
-#: whenever an older name of a list is set, even beside the new one: so the older names
-#: (:data:`FLIGHT_RECORDER_NCCL`) are set only for NCCL runs, whose watchdog needs them.
-FLIGHT_RECORDER = {
-    "TORCH_FR_BUFFER_SIZE": "2000",
-    "TORCH_FR_DUMP_ON_TIMEOUT": "1",
-    "TORCH_FR_DUMP_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
-    "TORCH_NCCL_NAN_CHECK": "1",
-}
-FLIGHT_RECORDER_NCCL = {
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{scratch}/" + "nccl_trace_rank_",
-}
-
-
-def flight_settings(backend: str, scratch: Path) -> dict[str, str]:
-    """The variables :func:`sweep` sets for ``backend`` (before the user's own win)."""
-    recorder = {**FLIGHT_RECORDER, **(FLIGHT_RECORDER_NCCL if backend == "nccl" else {})}
-    return {**{k: v.format(scratch=scratch) for k, v in recorder.items()}, "NCCL_ALGO": "Ring"}
 
 
 #: How long rank 0 waits, once a collective failed, for every rank to say it still
 #: answers (:meth:`~gpudiag.repro.sweep.between.Progress.silent`); the ranks that do not
 #: are named (a node killed mid-sweep: its peers' collectives fail at once, on gloo).
 CHECK_IN_S = 15.0
-
-DUMP_PREFIX = "nccl_trace_rank_"  # (the dump of rank R: <scratch>/nccl_trace_rank_R)
-
-
-def dump_flight_recorder(scratch: Path, rank: int, backend: str) -> Path | None:
-    """This rank's flight record written where the watchdog would write it
-    (``<scratch>/nccl_trace_rank_<rank>``), when a collective of the sweep hung: NCCL's own
-    dump comes only at the group's timeout, after rank 0 has written, and gloo makes none.
-    Through torch's private ``torch._C._distributed_c10d._dump_nccl_trace()`` (NCCL) or
-    ``_dump_fr_trace`` (``backend="gloo"`` on 2.15; 2.11 takes no backend and dumps the
-    same recorder), so best effort: None when absent or failing."""
-    path = scratch / f"{DUMP_PREFIX}{rank}"
-    if path.exists():  # (the watchdog's own)
-        return path
-    try:
-        import torch._C._distributed_c10d as c10d
-
-        # ProcessGroupNCCL keeps its own recorder (of CUDA events), dumped by
-        # _dump_nccl_trace; gloo's is the c10::Event one _dump_fr_trace reads (2.15).
-        # Private and versioned: reached through getattr, never typed against one torch.
-        nccl_dump = getattr(c10d, "_dump_nccl_trace", None) if backend == "nccl" else None
-        fr_dump = getattr(c10d, "_dump_fr_trace", None)
-        if nccl_dump is not None:
-            data = nccl_dump()
-        elif fr_dump is not None:
-            try:
-                data = fr_dump(backend=backend)
-            except TypeError:  # torch < 2.15: one recorder, no backend argument
-                data = fr_dump()
-        else:
-            return None
-        path.write_bytes(bytes(data))
-    except Exception:
-        return None
-    return path
-
-
-def check_output(options: SweepOptions) -> Path:
-    """The output folder, refused before anything runs when gpudiag may not write it: an
-    existing one only with ``--force``, and only when it is a sweep gpudiag wrote and holds
-    nothing else (:func:`not_a_sweep`)."""
-    from gpudiag.fileio import check_target
-
-    return check_target(options.output, force=options.force, folder=True, replaceable=not_a_sweep)
-
-
-def not_a_sweep(path: Path) -> str | None:
-    """None when ``path`` is a sweep folder gpudiag wrote — its manifest ``sweep.json`` (a
-    regular file, read bounded) names the ``gpudiag.sweep-run/`` schema — holding only what
-    a sweep writes (:func:`~gpudiag.repro.sweep.results.sweep_files`); else why ``--force``
-    may not replace it. A file a user added is never deleted: the folder is refused, naming it."""
-    from gpudiag.fileio import read_bounded
-    from gpudiag.repro.sweep.results import sweep_files
-    from gpudiag.repro.sweep.rules import parse_json
-
-    manifest = path / RUN
-    if manifest.is_symlink() or not manifest.is_file():
-        return f"not a gpudiag sweep folder (no {RUN})"
-    try:
-        document = parse_json(read_bounded(manifest, "sweep manifest"), str(manifest))
-    except InputError:
-        return f"not a gpudiag sweep folder (no readable {RUN})"
-    schema = document.get("schema") if isinstance(document, dict) else None
-    if not (isinstance(schema, str) and schema.startswith("gpudiag.sweep-run/")):
-        return f"not a gpudiag sweep folder ({RUN} has no gpudiag sweep schema)"
-    listed = document.get("files")
-    ok = isinstance(listed, list) and all(isinstance(n, str) for n in listed)
-    foreign = sweep_files(path, set(listed) if ok else None)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return f"it holds files a sweep does not write ({shown}): move them out first"
-    return None
-
-
-#: How long rank 0, having refused ``-o``, waits for the other ranks to read why before it
-#: exits (its exit ends torchrun's agent, and with it the store they read from).
-REFUSAL_WAIT_S = 30.0
-
-
-def agree_on_output(
-    ident: Identity, refusal: InputError | None, env: Mapping[str, str], timeout: float
-) -> None:
-    """Rank 0's answer on ``-o`` (written, or refused and why) passed to every rank through
-    torchrun's own store (its agent's, at ``MASTER_ADDR:MASTER_PORT``, which exists before
-    any process group does), so when rank 0 refuses the output folder every node refuses
-    too, at once (exit 2), instead of waiting for a group that rank 0 never joins. Rank 0
-    waits up to :data:`REFUSAL_WAIT_S` for the others to read a refusal. Nothing happens
-    without the agent's store (``TORCHELASTIC_USE_AGENT_STORE``: another launcher) or when it
-    cannot be reached; a rank that gets no answer within ``timeout`` goes on as before."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT", "").isdigit():
-        return
-    try:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            env.get("MASTER_ADDR", "127.0.0.1"),
-            int(env["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        prefix = f"gpudiag-sweep-output/{run}/"
-        key = prefix + "answer"
-        if ident.rank == 0:
-            store.set(key, "ok" if refusal is None else f"refused {refusal}")
-            if refusal is not None:
-                others = [f"{prefix}read/{r}" for r in range(1, ident.world)]
-                end = time.monotonic() + min(timeout, REFUSAL_WAIT_S)
-                while time.monotonic() < end and not store.check(others):
-                    time.sleep(0.05)
-            return
-        store.wait([key], datetime.timedelta(seconds=timeout))
-        answer = store.get(key).decode()
-        store.set(f"{prefix}read/{ident.rank}", "1")
-    except Exception:  # (no store to reach, or no answer in time: the join decides, as before)
-        return
-    if answer.startswith("refused "):
-        raise InputError(f"rank 0 refused the output folder: {answer.removeprefix('refused ')}")
 
 
 def _backend(options: SweepOptions, ident: Identity) -> str:

@@ -1,0 +1,100 @@
+"""The sweep's output folder: refused before anything runs when gpudiag may not write it
+(:func:`check_output`, :func:`not_a_sweep`), and rank 0's answer passed to every rank
+(:func:`agree_on_output`) so all nodes refuse together.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpudiag.errors import InputError
+from gpudiag.repro.sweep.node import Identity, SweepOptions
+from gpudiag.repro.sweep.results import RUN
+
+__all__ = ["REFUSAL_WAIT_S", "agree_on_output", "check_output", "not_a_sweep"]
+
+
+def check_output(options: SweepOptions) -> Path:
+    """The output folder, refused before anything runs when gpudiag may not write it: an
+    existing one only with ``--force``, and only when it is a sweep gpudiag wrote and holds
+    nothing else (:func:`not_a_sweep`)."""
+    from gpudiag.fileio import check_target
+
+    return check_target(options.output, force=options.force, folder=True, replaceable=not_a_sweep)
+
+
+def not_a_sweep(path: Path) -> str | None:
+    """None when ``path`` is a sweep folder gpudiag wrote — its manifest ``sweep.json`` (a
+    regular file, read bounded) names the ``gpudiag.sweep-run/`` schema — holding only what
+    a sweep writes (:func:`~gpudiag.repro.sweep.results.sweep_files`); else why ``--force``
+    may not replace it. A file a user added is never deleted: the folder is refused, naming it."""
+    from gpudiag.fileio import read_bounded
+    from gpudiag.repro.sweep.results import sweep_files
+    from gpudiag.repro.sweep.rules import parse_json
+
+    manifest = path / RUN
+    if manifest.is_symlink() or not manifest.is_file():
+        return f"not a gpudiag sweep folder (no {RUN})"
+    try:
+        document = parse_json(read_bounded(manifest, "sweep manifest"), str(manifest))
+    except InputError:
+        return f"not a gpudiag sweep folder (no readable {RUN})"
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if not (isinstance(schema, str) and schema.startswith("gpudiag.sweep-run/")):
+        return f"not a gpudiag sweep folder ({RUN} has no gpudiag sweep schema)"
+    listed = document.get("files")
+    ok = isinstance(listed, list) and all(isinstance(n, str) for n in listed)
+    foreign = sweep_files(path, set(listed) if ok else None)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds files a sweep does not write ({shown}): move them out first"
+    return None
+
+
+#: How long rank 0, having refused ``-o``, waits for the other ranks to read why before it
+#: exits (its exit ends torchrun's agent, and with it the store they read from).
+REFUSAL_WAIT_S = 30.0
+
+
+def agree_on_output(
+    ident: Identity, refusal: InputError | None, env: Mapping[str, str], timeout: float
+) -> None:
+    """Rank 0's answer on ``-o`` (written, or refused and why) passed to every rank through
+    torchrun's own store (its agent's, at ``MASTER_ADDR:MASTER_PORT``, which exists before
+    any process group does), so when rank 0 refuses the output folder every node refuses
+    too, at once (exit 2), instead of waiting for a group that rank 0 never joins. Rank 0
+    waits up to :data:`REFUSAL_WAIT_S` for the others to read a refusal. Nothing happens
+    without the agent's store (``TORCHELASTIC_USE_AGENT_STORE``: another launcher) or when it
+    cannot be reached; a rank that gets no answer within ``timeout`` goes on as before."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT", "").isdigit():
+        return
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        prefix = f"gpudiag-sweep-output/{run}/"
+        key = prefix + "answer"
+        if ident.rank == 0:
+            store.set(key, "ok" if refusal is None else f"refused {refusal}")
+            if refusal is not None:
+                others = [f"{prefix}read/{r}" for r in range(1, ident.world)]
+                end = time.monotonic() + min(timeout, REFUSAL_WAIT_S)
+                while time.monotonic() < end and not store.check(others):
+                    time.sleep(0.05)
+            return
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        answer = store.get(key).decode()
+        store.set(f"{prefix}read/{ident.rank}", "1")
+    except Exception:  # (no store to reach, or no answer in time: the join decides, as before)
+        return
+    if answer.startswith("refused "):
+        raise InputError(f"rank 0 refused the output folder: {answer.removeprefix('refused ')}")
