@@ -150,7 +150,8 @@ def gradcheck(
             raise from_user_code(exc, "the model factory") from exc
         order = tuple(n for n, p in template.named_parameters() if p.requires_grad)
         with contained(timeout, "the train-mode probe (one forward of the model)"):
-            sites = _probe(template, inputs, seed)
+            sites = _probe(template, inputs, seed)  # (a copy of its own: probed as it is)
+        del template
         check = _Check(
             Schedule(inputs, targets, base),
             Comparer(world, tol, order),
@@ -206,8 +207,9 @@ def gradcheck(
 
 
 def _probe(template: torch.nn.Module, inputs: Any, seed: int) -> TrainModeSites:
+    """The probe of ``template``, a copy :class:`Prebuilt` handed out for it alone."""
     try:
-        return probe(template, inputs, seed=seed)
+        return probe(template, inputs, seed=seed, given=True)
     except (Exception, SystemExit) as exc:  # the user's model failed on the user's batch
         raise from_user_code(exc, "the model's forward on the batch") from exc
 
@@ -481,7 +483,7 @@ def _probe_controlled(check: _Check) -> TrainModeSites:
     """What train mode still does in controlled form (random draws without an expected
     value, BatchNorm without running statistics)."""
     model = check.factories["as-is"]()
-    return probe(model, check.schedule.inputs, controlled=True, seed=check.seed)
+    return probe(model, check.schedule.inputs, controlled=True, seed=check.seed, given=True)
 
 
 def _recorders(outcome: Outcome, mode: str) -> dict[str, Recorder]:

@@ -56,6 +56,12 @@ class Prebuilt:
         torch.set_rng_state(self.rng_after)
         return copy.deepcopy(self.template)
 
+    @property
+    def same_on_every_rank(self) -> bool:
+        """Whether every copy handed out from now on is the one model already built here
+        (DDP then need not broadcast rank 0's parameters: see ``runtime.ddp``)."""
+        return self.template is not None
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (for DDP ranks in fresh interpreters) with the parent's template, so the
         rank's copies equal the parent's even for a factory whose own randomness torch's
@@ -81,6 +87,11 @@ class Controlled:
 
     def __call__(self) -> nn.Module:
         return neutralise(self.factory(), self.seed)
+
+    @property
+    def same_on_every_rank(self) -> bool:
+        """As its factory's (neutralising changes no parameter)."""
+        return bool(getattr(self.factory, "same_on_every_rank", False))
 
 
 #: Added to the run's seed for :class:`OtherRng` (any other state would do).

@@ -1,0 +1,42 @@
+"""gradcheck's cheaper paths (issue 35.11) change nothing the check reports: what they skip
+is a copy (the probe's own) or a broadcast of bytes every rank already holds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpudiag.checks.gradcheck.factories import Controlled, Prebuilt
+from gpudiag.checks.gradcheck.trainmode import probe
+from gpudiag.runtime.ddp import _init_sync
+
+
+def bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def test_ddp_skips_the_start_up_broadcast_only_for_copies_of_one_built_template(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    prebuilt = Prebuilt(bn_model)
+    assert _init_sync(prebuilt) == {}  # not built yet: each rank would build its own
+    assert _init_sync(bn_model) == {}  # a plain factory: DDP broadcasts rank 0's weights
+    prebuilt()
+    skipped = {"init_sync": False}
+    assert _init_sync(prebuilt) == skipped
+    assert _init_sync(Controlled(prebuilt, 0)) == skipped
+    assert _init_sync(Controlled(bn_model, 0)) == {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert _init_sync(prebuilt) == {}  # torchrun: every process built its own template
+
+
+def test_probe_of_a_given_model_probes_it_without_a_copy() -> None:
+    x = torch.randn(8, 4)
+    kept, given = bn_model(), bn_model()
+    before = kept[1].running_mean.clone()
+    assert probe(kept, x) == probe(given, x, given=True)
+    assert torch.equal(kept[1].running_mean, before)  # copied: untouched
+    assert not torch.equal(given[1].running_mean, before)  # given: its own forward ran
