@@ -68,3 +68,13 @@ def test_every_sub_package_is_in_the_table() -> None:
     packages = {str(init.parent.relative_to(ROOT)) for init in inits}
     rows = set(re.findall(r"^\| `[a-z_.]+` \| `([a-z_/]+)/` \|", text, re.M))
     assert sorted(packages - rows) == [], "sub-packages missing from the table of docs/architecture.md"
+
+
+#: The most lines a source module may have (issue 32: a module that outgrows it has more
+#: than one job — split it into collaborators).
+MAX_LINES = 500
+
+
+def test_no_source_module_is_over_the_line_limit() -> None:
+    long = {m: n for m in sorted(modules()) if (n := len((ROOT / m).read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines: {long}"

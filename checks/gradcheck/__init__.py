@@ -13,13 +13,15 @@ it can apply and a confirming measurement agrees. The parts, in the order data f
 - :mod:`.compare` — gradients against the reference, tolerances per dtype;
 - :mod:`.explain` — findings: what a difference or failure means;
 - :mod:`.check` — ``gradcheck()``: the steps from model to verdict;
+- :mod:`.spec` — ``gradcheck_spec()``: the command line's entry (a model spec, a batch);
 - :mod:`.report` — the report types and the verdict.
 """
 
-from gpudiag.checks.gradcheck.check import gradcheck, gradcheck_spec
+from gpudiag.checks.gradcheck.check import gradcheck
 from gpudiag.checks.gradcheck.compare import TOLERANCES, tolerance
 from gpudiag.checks.gradcheck.factories import Prebuilt
 from gpudiag.checks.gradcheck.report import EXPLAINS, SCHEMA, Comparison, GradcheckReport
+from gpudiag.checks.gradcheck.spec import gradcheck_spec
 
 __all__ = [
     "EXPLAINS",

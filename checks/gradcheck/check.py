@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from gpudiag import defaults as D
 from gpudiag.checks.gradcheck import explain
 from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, mean_of, scaled, tolerance
 from gpudiag.checks.gradcheck.factories import OTHER_RNG_OFFSET, Controlled, OtherRng, Prebuilt
@@ -38,7 +37,7 @@ from gpudiag.checks.gradcheck.schedule import (
 from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
 from gpudiag.checks.options import GRADCHECK, GradcheckOptions, specs
 from gpudiag.checks.options import MODES as MODES
-from gpudiag.errors import InputError, from_user_code, naming_model
+from gpudiag.errors import InputError, from_user_code
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
 from gpudiag.runtime.batch import OutputKey, batch_size, split
@@ -488,41 +487,3 @@ def _probe_controlled(check: _Check) -> TrainModeSites:
 
 def _recorders(outcome: Outcome, mode: str) -> dict[str, Recorder]:
     return {f"{name} ({mode})": r.recorder for name, r in outcome.results.items() if r.recorder.events()}
-
-
-def gradcheck_spec(
-    model: str,
-    *,
-    input_shape: tuple[int, ...] = D.INPUT_SHAPE,
-    num_classes: int = D.NUM_CLASSES,
-    batch_size: int = D.BATCH_SIZE,
-    loss: str = "ce",
-    input_dtype: str = "float",
-    input_range: tuple[float, float] | None = None,
-    inputs_file: str | None = None,
-    **options: Any,
-) -> GradcheckReport:
-    """``gpudiag gradcheck``: resolve ``--model``, make the seeded batch (``input_dtype``
-    and ``input_range``: see :func:`gpudiag.models.random_inputs`) or read it from
-    ``inputs_file`` (:func:`gpudiag.models.load_inputs`; targets are generated), compare."""
-    from gpudiag.models import load_inputs, random_batch, random_targets, resolve_model
-
-    options["inject"] = tuple(options.get("inject", ()))
-    options["strategies"] = tuple(options.get("strategies", ("single", "dp", "ddp")))
-    seed = options.get("seed", 0)
-    output = options.get("output")
-    describe = {"model": model, "input_shape": list(input_shape), "num_classes": num_classes}
-    if input_dtype != "float" or input_range is not None:
-        describe.update(input_dtype=input_dtype, input_range=input_range and list(input_range))
-    with naming_model(model):
-        factory = resolve_model(model, input_shape, num_classes)
-        if inputs_file is None:
-            inputs, targets = random_batch(
-                factory, batch_size, input_shape, num_classes, loss, seed, output, input_dtype, input_range
-            )
-        else:
-            inputs = load_inputs(inputs_file)
-            generator = torch.Generator().manual_seed(seed)
-            targets = random_targets(factory, inputs, num_classes, loss, generator, seed, output)
-            describe["inputs_file"] = inputs_file
-        return gradcheck(factory, inputs, targets, loss=loss, describe=describe, **options)
