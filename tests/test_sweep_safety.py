@@ -296,12 +296,19 @@ def test_a_node_record_names_the_kernel_s_host_name_as_an_alias(
     ],
 )
 def test_a_node_killed_mid_sweep_is_named_and_the_sweep_did_not_finish(tmp_path: Path, where: str) -> None:
+    import tempfile
+
     from gpudiag.repro.sweep.rehearse import Node
     from tests.test_sweep_nodes import machine, run_nodes
 
+    def scratch() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("gpudiag-sweep-*")}
+
+    before = scratch()
     m = machine(tmp_path)
     nodes = [Node("node0", m), Node("node1", m, ["--inject-stall", f"{where}:kill"]), Node("node2", m)]
     out = run_nodes(tmp_path, nodes, "--checks", "env", "--timeout", "20", deadline=120)
+    assert scratch() <= before  # (the killed node's scratch folder goes with the rehearsal's)
     assert out["rank0"].returncode == 1, out["rank0"].output[-2000:]
     assert out["named"] == {"node1": ["node-hung"]}, out["summary"]
     first = out["summary"].splitlines()[0]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,11 +74,15 @@ def rehearse(
 ) -> list[Finished]:
     """Start one torchrun per node (``--nnodes len(nodes)``, static rendezvous on
     127.0.0.1), wait for all of them up to ``deadline`` seconds, return each node's exit
-    code and output. ``common``: options every node gets (``--quick``, ``--expect-hosts``)."""
+    code and output. ``common``: options every node gets (``--quick``, ``--expect-hosts``).
+    The nodes' temporary folders (``TMPDIR``) are one folder of the rehearsal's, removed at
+    its end: a node it kills (``--inject-stall NAME:kill``, or past the deadline) cannot
+    remove its own."""
     port = port or free_port()
     procs: list[tuple[Node, subprocess.Popen[bytes]]] = []
     logs: list[Path] = []
     folder = Path(cwd or ".")
+    scratch = tempfile.mkdtemp(prefix="gpudiag-rehearse-")
     try:
         for index, node in enumerate(nodes):
             argv = [
@@ -96,7 +102,7 @@ def rehearse(
                 *common,
                 *node.args,
             ]
-            env = {**os.environ, "GPUDIAG_HOSTNAME": node.host, "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "GPUDIAG_HOSTNAME": node.host, "OMP_NUM_THREADS": "1", "TMPDIR": scratch}
             log = folder / f".rehearse-{os.getpid()}-{index}.log"
             logs.append(log)
             with open(log, "wb") as out:
@@ -126,6 +132,7 @@ def rehearse(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
     finished = []
     for (node, _), code, log in zip(procs, codes, logs, strict=True):
         text = log.read_text(errors="replace")
