@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gpudiag
-from tests.test_watch import Net, poison
+from tests.models import poison
+from tests.test_watch import Net
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
