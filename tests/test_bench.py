@@ -258,7 +258,7 @@ def test_compare_refuses_a_fifo_without_waiting(tmp_path) -> None:  # type: igno
         worker.join(10)
         pytest.fail("bench --compare waited on a FIFO")
     (out,) = got
-    assert out.exit_code == 2 and "not a regular file" in out.output  # type: ignore[attr-defined]
+    assert out.exit_code == 2 and "a FIFO, not a file" in out.output  # type: ignore[attr-defined]
     assert out.exception is None or isinstance(out.exception, SystemExit)  # type: ignore[attr-defined]
 
 

@@ -61,7 +61,7 @@ def test_a_log_without_transport_lines_is_not_an_error() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--from-log", "no-such.log"], "no-such.log does not exist"),
+        (["--from-log", "no-such.log"], "NCCL log no-such.log: cannot read it (No such file"),
         (["--from-log", "pyproject.toml"], "no NCCL line"),
         (["--from-log", SHM_LOG, "--machine", "no-such-capture.txt"], "does not exist"),
         (["--from-log", SHM_LOG, "--format", "dot"], "Invalid value"),
@@ -105,3 +105,12 @@ def test_the_live_run_asks_nccl_for_its_lines_and_restores_the_environment(
         assert os.environ["NCCL_DEBUG_SUBSYS"] == "INIT,P2P,NET,GRAPH"
         assert os.environ["NCCL_DEBUG"] == "WARN"  # (the user's own value is kept)
     assert "NCCL_DEBUG_SUBSYS" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"
+
+
+def test_a_fifo_given_as_a_log_is_refused_without_waiting(tmp_path: Path) -> None:
+    """--from-log on a FIFO waited for a writer for ever; it is refused like every input file."""
+
+    fifo = tmp_path / "nccl.log"
+    os.mkfifo(fifo)
+    result = run("--from-log", str(fifo))
+    assert result.exit_code == 2 and "a FIFO, not a file" in result.output

@@ -12,12 +12,11 @@ first (``differences``).
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.errors import InputError
+from gpudiag.fileio import read_bounded
 
 from .figures import PHASES, Case
 from .report import BenchResult
@@ -179,20 +178,7 @@ def read_result(path: str) -> BenchResult:
     waited on), read up to :data:`MAX_BYTES`; JSON without NaN/Infinity, not nested
     beyond the parser's depth; figures that are finite (step times above zero). Bad input
     is :class:`InputError` (exit 2)."""
-    try:
-        # O_NONBLOCK: opening a FIFO for reading must not wait for a writer; fstat then refuses it.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InputError(f"{path}: not a regular file, not a bench result")
-        try:
-            raw = f.read(MAX_BYTES + 1)
-        except OSError as exc:
-            raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_BYTES:
-        raise InputError(f"{path}: larger than {MAX_BYTES >> 20} MiB, not a bench result")
+    raw = read_bounded(path, "bench result", MAX_BYTES)  # (a FIFO refused, never waited on)
     try:
         data = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:

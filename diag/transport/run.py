@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from gpudiag.errors import CannotRunHere, InputError
+from gpudiag.fileio import read_bounded
 from gpudiag.transport.analysis import TransportReport, analyze
 from gpudiag.transport.reader import read_log
 
@@ -19,17 +20,8 @@ def read_log_file(path: str) -> tuple[str, str]:
     replaced) or UTF-16 with its byte-order mark, as Windows shells redirect."""
     if path == "-":
         data, name = sys.stdin.buffer.read(MAX_LOG_BYTES + 1), "<stdin>"
-    else:
-        name = Path(path).name
-        try:
-            with open(path, "rb") as stream:
-                data = stream.read(MAX_LOG_BYTES + 1)
-        except FileNotFoundError as exc:
-            raise InputError(f"{path} does not exist") from exc
-        except IsADirectoryError as exc:
-            raise InputError(f"{path} is a folder, not an NCCL log") from exc
-        except OSError as exc:
-            raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    else:  # (a FIFO or a folder refused without waiting, as every input file is)
+        name, data = Path(path).name, read_bounded(path, "NCCL log", MAX_LOG_BYTES + 1)
     if len(data) > MAX_LOG_BYTES:
         raise InputError(
             f"{name}: larger than {MAX_LOG_BYTES >> 20} MiB; give the part with the `NCCL INFO` lines"
