@@ -36,7 +36,6 @@ from gpudiag.checks.gradcheck.schedule import (
 )
 from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
 from gpudiag.checks.options import GRADCHECK, GradcheckOptions, specs
-from gpudiag.checks.options import MODES as MODES
 from gpudiag.errors import InputError, from_user_code
 from gpudiag.findings import Finding
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, RunResult
