@@ -35,6 +35,7 @@ from torch import nn
 
 from gpudiag.defaults import INPUT_SHAPE, NUM_CLASSES
 from gpudiag.errors import CannotRunHere, InputError, from_user_code
+from gpudiag.gcpause import paused
 
 #: Built-in models: name → what it is (all take the input shape and the class count).
 BUILTINS = {
@@ -94,7 +95,8 @@ class ModelFactory:
 
 def _torchvision() -> Any:
     try:
-        return importlib.import_module("torchvision")
+        with paused(freeze=True):  # (torchvision imports torch._dynamo: ~1.4 s of imports)
+            return importlib.import_module("torchvision")
     except ImportError as exc:
         raise CannotRunHere("torchvision is not installed: pip install torchvision") from exc
 

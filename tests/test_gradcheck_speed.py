@@ -40,3 +40,62 @@ def test_probe_of_a_given_model_probes_it_without_a_copy() -> None:
     assert probe(kept, x) == probe(given, x, given=True)
     assert torch.equal(kept[1].running_mean, before)  # copied: untouched
     assert not torch.equal(given[1].running_mean, before)  # given: its own forward ran
+
+
+def test_the_collector_pause_restores_its_state_and_freezes_only_when_asked() -> None:
+    import gc
+
+    from gpudiag.gcpause import paused
+
+    frozen = gc.get_freeze_count()
+    try:
+        with paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+        gc.disable()
+        with paused(freeze=True):
+            kept = [object()]
+        assert not gc.isenabled()  # (it was off before: it stays off)
+        assert gc.get_freeze_count() > frozen and kept
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_the_users_factory_and_forward_run_with_the_collector_on(tmp_path) -> None:
+    """gradcheck pauses the collector while it imports torch and torchvision (issue 35.11),
+    never while the user's code runs: a model that makes reference cycles must not grow."""
+    import gc
+
+    from click.testing import CliRunner
+
+    from gpudiag.cli import cli
+
+    (tmp_path / "gcmodel.py").write_text(
+        "import gc\nimport torch\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(12, 3)\n\n"
+        "    def forward(self, x):\n"
+        "        assert gc.isenabled(), 'forward ran with the collector off'\n"
+        "        return self.fc(x.flatten(1))\n\n"
+        "def make():\n"
+        "    assert gc.isenabled(), 'the factory ran with the collector off'\n"
+        "    return Net()\n"
+    )
+    args = [
+        "gradcheck",
+        "--model",
+        f"{tmp_path / 'gcmodel.py'}:make",
+        "--input-shape",
+        "3,2,2",
+        "--num-classes",
+        "3",
+    ]
+    try:
+        result = CliRunner().invoke(cli, [*args, "--format", "json"])
+    finally:
+        gc.unfreeze()
+    assert result.exit_code == 0, result.output
+    assert gc.isenabled()

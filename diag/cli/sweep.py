@@ -157,9 +157,9 @@ def sweep(ctx: click.Context, summary: str | None, fmt: str, **options: Any) -> 
             baseline=options["baseline"],
             expect_hosts=options["expect_hosts"],
         )
-        from gpudiag.repro.sweep.run import without_gc
+        from gpudiag.gcpause import paused
 
-        with without_gc():
+        with paused():
             _render(verdict, data.records, data.run, fmt)
         ctx.exit(verdict.exit_code)
     from gpudiag.repro.sweep.run import LOCAL_CHECKS, SweepOptions

@@ -86,8 +86,11 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
     Exit 0 for pass or explained (1 with --strict), 1 for fail.
     """
-    from gpudiag.checks.gradcheck import gradcheck_spec
+    from gpudiag.gcpause import paused
     from gpudiag.progress import shown
+
+    with paused(freeze=True):  # (imports torch: see gpudiag.gcpause)
+        from gpudiag.checks.gradcheck import gradcheck_spec
 
     check_trace(trace)
     with shown():
@@ -120,8 +123,11 @@ def nancheck(ctx: click.Context, fmt: str, trace: str | None, **options: Any) ->
     Trains on every GPU alone and on every pair, and names a link-corruption, a
     device-fault, a numeric-divergence or a loss-explosion. Exit 0 pass, 1 fail.
     """
-    from gpudiag.checks.nancheck import nancheck_spec
+    from gpudiag.gcpause import paused
     from gpudiag.progress import shown
+
+    with paused(freeze=True):  # (imports torch: see gpudiag.gcpause)
+        from gpudiag.checks.nancheck import nancheck_spec
     from gpudiag.render import render
     from gpudiag.runtime.record import write_trace
 
@@ -158,7 +164,10 @@ def peer(
     there are not two GPUs to test (the host probes still run and are shown). With
     --machine the result is simulated on CPU virtual devices.
     """
-    from gpudiag.checks.peer import peer as run_peer
+    from gpudiag.gcpause import paused
+
+    with paused(freeze=True):  # (imports torch: see gpudiag.gcpause)
+        from gpudiag.checks.peer import peer as run_peer
     from gpudiag.hw.sources import read_machine_or_capture
     from gpudiag.parsers import parse_sizes
     from gpudiag.render import render
@@ -269,8 +278,11 @@ def bench(
         from gpudiag.fileio import check_target
 
         check_target(output, force=force)
-    from gpudiag.checks.bench import bench as run_bench
+    from gpudiag.gcpause import paused
     from gpudiag.progress import shown
+
+    with paused(freeze=True):  # (imports torch: see gpudiag.gcpause)
+        from gpudiag.checks.bench import bench as run_bench
 
     with shown():
         result = run_bench(options.pop("model"), convention="per_gpu" if per_gpu else "global", **options)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import json
 import os
 import shutil
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
+from gpudiag.gcpause import paused
 from gpudiag.repro.sweep.between import STALLABLE, Between, CollectiveHung, Outcome, between_nodes
 from gpudiag.repro.sweep.budget import Budget
 from gpudiag.repro.sweep.flight import DUMP_PREFIX, dump_flight_recorder, flight_settings
@@ -440,7 +440,7 @@ def rejudge(
     from gpudiag.repro.sweep.results import read_sweep
 
     used = load_rules(rules) if rules else None
-    with without_gc():
+    with paused():  # (its records make no cycles: gpudiag.gcpause)
         data = read_sweep(folder)
         used = used or data.rules or load_rules(None)
         asked = expected_hosts(expect_hosts, {})[0] if expect_hosts is not None else []
@@ -448,17 +448,3 @@ def rejudge(
         verdict = judge(data.records, expected_hosts=hosts, rules=used, baseline=load_baseline(baseline))
         verdict.failed = data.run.get("finished") is False  # (it stopped half way: never "healthy")
     return verdict, data
-
-
-@contextlib.contextmanager
-def without_gc() -> Iterator[None]:
-    """Python's cycle collector off while a fleet's records are read and judged: they make
-    no cycles, and each collection walks every object alive, so with it on the time grew
-    faster than the fleet (measured: 10× the nodes, 21× the time; off: 11×)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

@@ -1,0 +1,42 @@
+"""Python's cyclic garbage collector, paused where it only costs time.
+
+A collection of the oldest generation walks every object alive. Importing torch and
+torchvision (which imports ``torch._dynamo``) creates about 340,000 objects and, with the
+collector on, triggers several such walks on the way; every later full collection walks
+them again — in this process and in each forked rank process. None of them is garbage:
+imported modules live as long as the process.
+
+:func:`paused` turns the collector off for a block — imports, a model build, a fleet's
+records read and judged (they make no cycles; with the collector on, 10× the nodes took
+21× the time, off 11×) — and, with ``freeze=True``, moves everything alive at its end into
+the permanent generation (:func:`gc.freeze`), which later collections skip. Objects
+are still freed by reference counting as usual; only reference cycles among frozen
+objects are never collected (modules, classes and a built model's template: none is
+meant to go). The user's own code never runs inside a pause: the collector is on again
+when the block ends.
+
+Measured 2026-11-27 (commit after bb16a09, 2-core VM, torch 2.14.1): ``python -c
+"import torch, torchvision.models"`` median 4.19 s, with ``gc.disable()`` first 3.59 s
+(5 runs each, paired).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def paused(*, freeze: bool = False) -> Iterator[None]:
+    """The collector off inside the block (as it was after); ``freeze``: what is alive at
+    the end is frozen (:func:`gc.freeze`), so later collections do not walk it again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if was:
+            gc.enable()
