@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpudiag.gcpause import paused
+
 Payload = bytes | Sequence[bytes | memoryview]
 
 
@@ -94,8 +96,9 @@ def rank_main(spec: RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] = 
         _leave_with_parent(spec.parent, folder)
         if spec.logs is not None:
             _log_to(f"{spec.logs}-rank{rank}.log", rank, world_size, backend)
-        import torch
-        import torch.distributed as dist
+        with paused(freeze=True):  # (a fresh interpreter's torch import: see gpudiag.gcpause)
+            import torch
+            import torch.distributed as dist
 
         forked = fn is not None
         if forked:
