@@ -97,11 +97,11 @@ def test_live_run_reads_its_own_nccl_log() -> None:
 def test_the_live_run_asks_nccl_for_its_lines_and_restores_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpudiag.transport.live import _nccl_debug
+    from gpudiag.transport.capture import nccl_debug
 
     monkeypatch.delenv("NCCL_DEBUG_SUBSYS", raising=False)
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
-    with _nccl_debug():
+    with nccl_debug():
         assert os.environ["NCCL_DEBUG_SUBSYS"] == "INIT,P2P,NET,GRAPH"
         assert os.environ["NCCL_DEBUG"] == "WARN"  # (the user's own value is kept)
     assert "NCCL_DEBUG_SUBSYS" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"

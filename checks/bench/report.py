@@ -28,6 +28,11 @@ class BenchResult:
     config: dict[str, Any] = field(default_factory=dict)
     simulated: bool = False
     skipped: list[dict[str, Any]] = field(default_factory=list)  # {"case": label, "reason": why}
+    #: what NCCL chose per GPU pair in the DDP case ``transport_case`` (a
+    #: gpudiag.transport.report.TransportReport; None without NCCL), and a note on its log
+    transport: Any = None
+    transport_case: str | None = None
+    transport_note: str | None = None
 
     def __repr__(self) -> str:
         return short_repr(self, self.verdict, self.findings, cases=len(self.cases))
@@ -73,6 +78,9 @@ class BenchResult:
             ],
             "skipped": self.skipped,
             "findings": [f.to_json() for f in self.findings],
+            "transport": self.transport.to_json() if self.transport is not None else None,
+            "transport_case": self.transport_case,
+            "transport_note": self.transport_note,
         }
 
     @classmethod

@@ -23,6 +23,7 @@ from gpudiag.topology.model import Topology
 from .data import LoaderData, parse_data
 from .explain import explain
 from .figures import Case, percentile, rank_figures, step_times
+from .nccl import BenchNccl, records
 from .report import BenchResult
 
 CONVENTIONS = ("per_gpu", "global")
@@ -179,7 +180,8 @@ def bench(
     planned = plan(strategies, counts, dtypes, batch_size, convention)
     batches: dict[int, Any] = {}
     cases: list[Case] = []
-    with naming_model(spec):
+    nccl = BenchNccl(records(kind) and "ddp" in strategies, torchrun=world is not None)
+    with naming_model(spec), nccl:
         for strategy, n, dtype, batch in planned:
             label = f"{strategy} ×{n} {dtype}"
             ids = (
@@ -235,7 +237,7 @@ def bench(
                 case.better_devices, case.better_link = better
             note(f"bench: {label}, batch {batch}")
             try:
-                with _one_thread(kind == "virtual" and strategy != "ddp"):
+                with _one_thread(kind == "virtual" and strategy != "ddp"), nccl.case(case):
                     result = run(factory, inputs, targets, config)
             except RankFailure as exc:
                 case.error = str(exc)
@@ -250,6 +252,7 @@ def bench(
             if strategy == "ddp":
                 case.ranks = rank_figures(result.recorder.phases, warmup, result.timing.get("hosts", []))
             cases.append(case)
+        transport = nccl.result(topo)
     if not cases:
         reasons = "; ".join(f"{s['case']}: {s['reason']}" for s in skipped)
         raise InputError(f"nothing to measure: {reasons}")
@@ -289,10 +292,14 @@ def bench(
             workers if data_kind == "loader" else None,
             cuda=kind == "cuda",
             floor=(overhead, overhead / FLOOR_SHARE),
-        ),
+        )
+        + transport.findings,
         config_out,
         simulated=kind == "virtual",
         skipped=skipped,
+        transport=transport.report,
+        transport_case=transport.case,
+        transport_note=transport.note,
     )
 
 

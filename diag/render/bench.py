@@ -197,7 +197,38 @@ def text(result: Any, stream: TextIO) -> None:
                     out.print(f"    {escape(_rank_line(r))}")
         for s in result.skipped:
             out.print(f"\nskipped {escape(s['case'])}: {escape(s['reason'])}")
+        _transport_text(result, out)
         text_findings(out, result.findings, "Findings")
+
+
+def _transport_text(result: Any, out: Any) -> None:
+    """The NCCL section: what NCCL chose per pair in a DDP case (``gpudiag transport``'s
+    table; its findings are among bench's), and the note on the log."""
+    from rich.markup import escape
+
+    from gpudiag.render.transport import pairs_text
+
+    report, note = getattr(result, "transport", None), getattr(result, "transport_note", None)
+    if report is None and not note:
+        return
+    if report is not None:
+        out.print(f"\n[bold]NCCL transports[/bold] of {escape(result.transport_case or 'the DDP case')}")
+        pairs_text(report, out)
+    if note:
+        out.print(f"{'' if report is not None else chr(10)}NCCL log: {escape(note)}")
+
+
+def _transport_markdown(result: Any) -> list[str]:
+    from gpudiag.render.transport import pairs_markdown
+
+    report, note = getattr(result, "transport", None), getattr(result, "transport_note", None)
+    lines: list[str] = []
+    if report is not None:
+        title = f"### NCCL transports of {result.transport_case or 'the DDP case'}"
+        lines += [title, "", *pairs_markdown(report)]
+    if note:
+        lines += [f"NCCL log: {note}", ""]
+    return lines
 
 
 def _text_compare(result: Any, stream: TextIO) -> None:
@@ -312,5 +343,6 @@ def markdown(result: Any, stream: TextIO) -> None:
             for r in c.ranks
         ]
         lines += [md.table(["case", "rank", "host", "compute", "all-reduce wait"], rows), ""]
+    lines += _transport_markdown(result)
     stream.write("\n".join(lines) + "\n")
     stream.write(md.findings(result.findings, "Findings"))

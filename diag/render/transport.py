@@ -75,6 +75,7 @@ def _summary(report: Any) -> list[str]:
     if log.ib_devices:
         lines.append(f"InfiniBand devices: {', '.join(log.ib_devices)}")
     lines += report.host_notes
+    lines += getattr(report, "notes", [])
     return lines
 
 
@@ -86,25 +87,46 @@ def _unread(report: Any) -> list[str]:
     return out
 
 
-def text(report: Any, stream: TextIO) -> None:
+def pairs_text(report: Any, out: Any) -> None:
+    """The summary lines, the table of pairs and the unread lines on a rich console (also
+    ``gpudiag bench``'s NCCL section)."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
+    for line in _summary(report):
+        out.print(escape(line))
+    if report.pairs:
+        table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False)
+        for name in HEADER:
+            table.add_column(name)
+        for row in rows(report):
+            table.add_row(*(escape(cell) for cell in row))
+        out.print(table)
+    if report.unread:
+        out.print(f"\n[bold]Lines that could not be read ({len(report.unread)})[/bold]")
+        for line in _unread(report):
+            out.print(f"  {escape(line)}")
+
+
+def pairs_markdown(report: Any) -> list[str]:
+    """The summary, the table of pairs and the unread lines as Markdown lines (no heading)."""
+    out = [*[f"{line}  " for line in _summary(report)], ""]
+    if report.pairs:
+        out += [md.table(HEADER, [[cell.replace("|", "\\|") for cell in row] for row in rows(report)]), ""]
+    if report.unread:
+        out += [
+            "### Lines that could not be read",
+            "",
+            *["- " + line.replace("|", "\\|") for line in _unread(report)],
+            "",
+        ]
+    return out
+
+
+def text(report: Any, stream: TextIO) -> None:
     with text_console(stream) as out:
-        for line in _summary(report):
-            out.print(escape(line))
-        if report.pairs:
-            table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False)
-            for name in HEADER:
-                table.add_column(name)
-            for row in rows(report):
-                table.add_row(*(escape(cell) for cell in row))
-            out.print(table)
-        if report.unread:
-            out.print(f"\n[bold]Lines that could not be read ({len(report.unread)})[/bold]")
-            for line in _unread(report):
-                out.print(f"  {escape(line)}")
+        pairs_text(report, out)
         text_findings(out, [f for f in report.findings if f.severity != "info"], "Findings")
         text_findings(out, [f for f in report.findings if f.severity == "info"], "Notes")
         if not any(f.severity != "info" for f in report.findings):
@@ -120,16 +142,7 @@ def json(report: Any, stream: TextIO) -> None:
 
 
 def markdown(report: Any, stream: TextIO) -> None:
-    out = ["## NCCL transports", "", *[f"{line}  " for line in _summary(report)], ""]
-    if report.pairs:
-        out += [md.table(HEADER, [[cell.replace("|", "\\|") for cell in row] for row in rows(report)]), ""]
-    if report.unread:
-        out += [
-            "### Lines that could not be read",
-            "",
-            *["- " + line.replace("|", "\\|") for line in _unread(report)],
-            "",
-        ]
+    out = ["## NCCL transports", "", *pairs_markdown(report)]
     stream.write("\n".join(out) + "\n")
     stream.write(md.findings([f for f in report.findings if f.severity != "info"], "Findings"))
     stream.write(md.findings([f for f in report.findings if f.severity == "info"], "Notes"))

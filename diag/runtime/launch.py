@@ -74,12 +74,12 @@ def rank_logs(folder: str | os.PathLike[str]) -> Iterator[Path]:
     ``folder/launch<N>-rank<R>.log``, NCCL ranks with ``NCCL_DEBUG=INFO`` (unless set)."""
     global _log_folder, _launches
     previous, _log_folder = _log_folder, Path(folder)
-    _launches = itertools.count(1)
-    _log_folder.mkdir(parents=True, exist_ok=True)
+    counted, _launches = _launches, itertools.count(1)
     try:
+        _log_folder.mkdir(parents=True, exist_ok=True)
         yield _log_folder
-    finally:
-        _log_folder = previous
+    finally:  # (an enclosing block numbers its launches on from where it was)
+        _log_folder, _launches = previous, counted
 
 
 class RankFailure(GpudiagError):

@@ -53,10 +53,14 @@ def _shared_names(log: NcclLog, hosts: dict[int, str | None]) -> set[str]:
         per_device = Counter(key.split(":", 1)[1] for key in seen)
         if any(n > 1 for n in per_device.values()):
             shared.add(host)
-    for host in log.hosts:
-        if any(mark in host for mark in "<>*") or host.lower() in ("localhost", "hostname", "host", "xxx"):
-            shared.add(host)
+    shared.update(host for host in log.hosts if placeholder(host))
     return shared
+
+
+def placeholder(host: str) -> bool:
+    """Whether a host name is a stand-in rather than a machine's name (anonymised by its
+    author, ``<cluster_name>``, ``node*``, or generic: ``localhost``, ``hostname``)."""
+    return any(mark in host for mark in "<>*") or host.lower() in ("localhost", "hostname", "host", "xxx")
 
 
 def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:

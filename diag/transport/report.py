@@ -78,6 +78,10 @@ class TransportReport:
     findings: list[Finding]
     topology_source: str | None = None
     host_notes: list[str] = field(default_factory=list)
+    #: what else the reader of the result must know (a log bundled only in part)
+    notes: list[str] = field(default_factory=list)
+    #: ``(name, text)`` of the logs read, where a report bundle keeps them (not in the JSON)
+    nccl_logs: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
     def __repr__(self) -> str:
         return short_repr(
@@ -121,5 +125,6 @@ class TransportReport:
             "pairs": [pair.to_json() for pair in self.pairs],
             "unread": [u.to_json() for u in log.unread],
             "nccl_warnings": list(log.warnings),
+            "notes": [*self.host_notes, *self.notes],
             "findings": [f.to_json() for f in self.findings],
         }

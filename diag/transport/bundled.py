@@ -1,0 +1,71 @@
+"""What of an NCCL log goes into a report bundle (``gpudiag report --nccl-log FILE``).
+
+The logs are bounded (:data:`MAX_BUNDLED_BYTES` in all: each log's first bytes, cut at a
+line end, the rest dropped and said so), and with ``--anonymize`` every host name NCCL's
+line prefixes give (``host:pid:tid``) becomes ``anon-host-N`` — one name per machine, so
+pairs on one host stay on one host — before the :class:`~gpudiag.redact.Redactor` (IP
+addresses, this machine's name, secrets) passes over them as over every bundle byte. The
+check then reads the bundled text, not the original: the result in ``report.json`` and
+``gpudiag replay``'s re-reading of the bundle come from the same bytes, so they agree.
+Names already anonymised by their author (``<cluster_name>``, ``localhost``) are kept.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpudiag.redact import Redactor
+from gpudiag.transport.analysis import placeholder
+from gpudiag.transport.reader import read_log
+
+#: All NCCL logs of one bundle together (bytes of UTF-8); a 64-rank INFO log is ~15 MB.
+MAX_BUNDLED_BYTES = 16 << 20
+#: Where the logs go inside the bundle.
+FOLDER = "nccl"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def bundle_names(names: list[str]) -> list[str]:
+    """A distinct ``nccl/<i>-<name>`` per log (names made of safe characters only)."""
+    return [f"{FOLDER}/{i}-{_UNSAFE.sub('_', name).strip('._') or 'log'}" for i, name in enumerate(names, 1)]
+
+
+def _bounded(texts: list[tuple[str, str]], limit: int) -> tuple[list[tuple[str, str]], list[str]]:
+    kept, notes, left = [], [], limit
+    for text, name in texts:
+        data = text.encode("utf-8", "surrogateescape")
+        if len(data) > left:
+            cut = data.rfind(b"\n", 0, left) + 1
+            notes.append(
+                f"{name}: only its first {cut} of {len(data)} bytes were bundled and read "
+                f"(a bundle keeps {limit >> 20} MiB of NCCL log in all)"
+            )
+            data = data[:cut]
+        left -= len(data)
+        kept.append((data.decode("utf-8", "surrogateescape"), name))
+    return kept, notes
+
+
+def _pseudonyms(texts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Every host of the logs' NCCL prefixes as ``anon-host-N``, in one pass (no name
+    replaced twice), as whole words."""
+    hosts = [h for h in read_log(texts).hosts if len(h) >= 2 and not placeholder(h)]
+    if not hosts:
+        return texts
+    names = {host: f"anon-host-{i}" for i, host in enumerate(hosts, 1)}
+    alternatives = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.-])(?:{alternatives})(?![\w-])")
+    return [(pattern.sub(lambda m: names[m.group(0)], text), name) for text, name in texts]
+
+
+def bundled_logs(
+    texts: list[tuple[str, str]], *, anonymize: bool, limit: int = MAX_BUNDLED_BYTES
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(text, bundle name)`` of each log as the bundle holds it (bounded, anonymised,
+    redacted), and notes on what was cut."""
+    kept, notes = _bounded(texts, limit)
+    if anonymize:
+        kept = _pseudonyms(kept)
+    redactor = Redactor(anonymize=anonymize)
+    names = bundle_names([name for _, name in kept])
+    return [(redactor.text(text), bundled) for (text, _), bundled in zip(kept, names, strict=True)], notes
