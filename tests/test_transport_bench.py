@@ -24,7 +24,7 @@ from gpudiag.cleanup import clean_up
 from gpudiag.hw.sources import read_machine_or_capture
 from gpudiag.render import render
 from gpudiag.transport.analysis import analyze
-from gpudiag.transport.capture import NcclCapture, nccl_debug, read_rank_logs
+from gpudiag.transport.capture import NcclCapture, read_rank_logs
 from gpudiag.transport.reader import read_log
 from tests import models
 
@@ -51,7 +51,8 @@ def pair_table(report: object) -> set[tuple[int, int, str, tuple[int, ...]]]:
 
 
 def whole_log_report() -> object:
-    return analyze(read_log([(LOG.read_text(encoding="utf-8"), LOG.name)]), read_machine_or_capture(str(NV18)))
+    log = read_log([(LOG.read_text(encoding="utf-8"), LOG.name)])
+    return analyze(log, read_machine_or_capture(str(NV18)))
 
 
 def test_a_folder_of_rank_logs_reads_as_the_log_they_came_from(tmp_path: Path) -> None:
@@ -178,9 +179,9 @@ def test_on_gloo_nothing_is_captured_and_nothing_said(monkeypatch: pytest.Monkey
 @pytest.mark.multi_gpu
 def test_bench_on_two_gpus_reads_its_ddp_ranks_nccl_log() -> None:
     """The real thing: DDP over NCCL on two GPUs; every pair on this host, none over the network."""
-    result = gpudiag.bench("mlp", input_shape=(8,), batch_size=8, steps=3, warmup=1, strategies=("ddp",), gpus=[2])
+    result = gpudiag.bench(
+        "mlp", input_shape=(8,), batch_size=8, steps=3, warmup=1, strategies=("ddp",), gpus=[2]
+    )
     assert result.transport is not None and result.transport.pairs, result.transport_note
     assert all(not p.transport.startswith("NET/") for p in result.transport.pairs)
     assert result.to_json()["transport"]["nccl_version"] is not None
-    with nccl_debug():
-        pass
