@@ -201,6 +201,9 @@ def _nancheck_headline(report: Any) -> str:
 
 
 def _plan_transport(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
+    logs = sorted(name for name in here.files if name.startswith("nccl/"))
+    if logs:  # (report --nccl-log: the logs as the bundle holds them, on the machine's topology)
+        return {"from_log": logs, "machine": MACHINE_FILE if here.machine is not None else None}, ""
     if here.machine is None and here.cuda_gpus >= 2:
         return {}, ""
     why = "fewer than 2 CUDA GPUs here" if here.machine is None else "a machine file cannot run NCCL"
@@ -211,9 +214,27 @@ def _run_transport(config: dict[str, Any], here: Here) -> CheckResult:
     from gpudiag.transport.live import live_report
     from gpudiag.transport.run import refuse_live
 
+    if config.get("from_log"):
+        return _transport_from_bundle(config, here)
     refuse_live(here.cuda_gpus)
     report: CheckResult = live_report(None, here.cuda_gpus)
     return report
+
+
+def _transport_from_bundle(config: dict[str, Any], here: Here) -> CheckResult:
+    """The logs a bundle holds (``nccl/…``) read again, on the bundle's machine if it had one."""
+    from gpudiag.errors import InputError
+    from gpudiag.transport.analysis import analyze
+    from gpudiag.transport.reader import read_log
+
+    missing = [name for name in config["from_log"] if name not in here.files]
+    if missing:
+        raise InputError(f"the NCCL log {missing[0]} the transport check read is not in the bundle")
+    texts = [(here.files[name].decode("utf-8", "replace"), name) for name in config["from_log"]]
+    report = analyze(read_log(texts), _machine(config, here))
+    report.nccl_logs = [(name, text) for text, name in texts]
+    result: CheckResult = report
+    return result
 
 
 def _transport_headline(report: Any) -> str:
@@ -328,6 +349,7 @@ registry.register(
         _plan_transport,
         _run_transport,
         _transport_headline,
+        config_fields=_fields("transport"),
         compare=_compare("transport"),
     )
 )

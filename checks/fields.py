@@ -21,6 +21,7 @@ LIMITS = {
     "input_elements": 1 << 24,  # per sample: the product of input_shape
     "inject": 64,
     "peer_size": 1 << 30,  # bytes per copy
+    "nccl_logs": 64,  # NCCL logs one transport check reads (--nccl-log)
 }
 
 
@@ -81,6 +82,18 @@ def _inject(value: Any) -> str | None:
             parse_fault(spec)
         except InjectSpecError as exc:
             return str(exc).splitlines()[0]
+    return None
+
+
+def _nccl_logs(value: Any) -> str | None:
+    """The bundle's NCCL logs a transport check read: ``nccl/NAME`` paths inside the bundle."""
+    import re
+
+    if not isinstance(value, list) or not 1 <= len(value) <= LIMITS["nccl_logs"]:
+        return f"{_describe(value)} is not a list of 1 to {LIMITS['nccl_logs']} bundle paths"
+    for path in value:
+        if not isinstance(path, str) or not re.fullmatch(r"nccl/[A-Za-z0-9][A-Za-z0-9._-]{0,199}", path):
+            return f"{_describe(path)} is not a bundle path nccl/NAME"
     return None
 
 
@@ -171,6 +184,7 @@ def config_fields() -> dict[str, dict[str, Any]]:
         "peer": {"machine": _machine, "pairs": _pairs, "inject": _inject, "sizes": _sizes},
         "gradcheck": {**model, **_declared(GradcheckOptions), "output": _output, "sync_batchnorm": _flag},
         "nancheck": {**model, **_declared(NancheckOptions), "machine": _machine, "pairs": _pairs},
+        "transport": {"from_log": _nccl_logs, "machine": _machine},
     }
 
 
@@ -183,6 +197,7 @@ RESULT_LISTS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "peer": {"pairs": ("src", "dst")},
     "topology": {"pairs": ("a", "b", "link")},
+    "transport": {"pairs": ("from_rank", "to_rank", "transport")},
 }
 
 

@@ -79,6 +79,9 @@ class Here:
     nvml: str | None  # None when NVML works, else why not
     machine: Any = None  # a Topology
     machine_source: str | None = None
+    #: files a configuration names by their path in a bundle: the NCCL logs given to
+    #: ``report --nccl-log`` (``nccl/…``, as bundled), or a bundle's files on replay
+    files: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def gpus(self) -> list[int]:

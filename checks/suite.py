@@ -180,7 +180,7 @@ def command_line(name: str, config: Mapping[str, Any] | None) -> str:
         if key == "source" or value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")
-        if key == "inject":
+        if key in ("inject", "from_log"):
             for spec in value:
                 argv += [flag, spec]
         elif isinstance(value, list):

@@ -10,7 +10,10 @@ A bundle is a folder, or a ``.zip`` when its name ends so, holding:
   each failing check and exits non-zero when the problem shows;
 - ``machine.json``: the machine the virtual devices were laid out like (``--machine``);
 - ``traces/<check>.json``: what the runtime recorded (Chrome trace format, Perfetto);
-- ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL);
+- ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL;
+  the live ``transport`` check's ranks' NCCL log, bounded, lands in ``logs/transport/``);
+- ``nccl/<i>-<name>``: the NCCL logs given with ``--nccl-log`` as the ``transport`` check read
+  them (bounded, host names ``anon-host-N`` with ``--anonymize``: :mod:`gpudiag.transport.bundled`);
 - ``watch/watch-rank<R>.json``: what ``gpudiag.watch`` recorded of the user's own training
   (schema ``gpudiag.watch/1``, from ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``).
 
@@ -20,6 +23,7 @@ the bundle appears at its path only when complete (written beside it, then renam
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -63,10 +67,18 @@ class Report:
     def failed(self) -> list[CheckRun]:
         return [c for c in self.checks if c.status == "fail"]
 
+    @property
+    def reproducible(self) -> list[CheckRun]:
+        """The failed checks ``repro.py`` reproduces with torch alone (gradcheck, nancheck,
+        peer; not one that read a log, as transport does)."""
+        from gpudiag.repro.scripts import reproducible
+
+        return [c for c in self.failed if reproducible(c.name)]
+
     def file_names(self) -> list[str]:
         """Every file the bundle holds."""
         names = ["report.json", "REPORT.md"]
-        names += ["repro.py"] if self.failed else []
+        names += ["repro.py"] if self.reproducible else []
         names += [MACHINE_FILE] if self.here.machine is not None else []
         return names + sorted(self.files)
 
@@ -163,12 +175,23 @@ def run_report(
     progress: Progress | None = None,
     argv: list[str] | None = None,
     inputs: dict[str, Any] | None = None,
+    nccl_logs: list[tuple[str, str]] | None = None,
 ) -> Report:
-    """Run each planned check (recording rank logs and traces) and collect the results."""
+    """Run each planned check (recording rank logs and traces) and collect the results.
+    ``nccl_logs``: ``(text, name)`` of NCCL logs (``--nccl-log``) the transport check reads
+    as the bundle holds them (:func:`gpudiag.transport.bundled.bundled_logs`)."""
     from gpudiag.runtime.launch import rank_logs
 
     runs: list[CheckRun] = []
     files: dict[str, bytes] = {}
+    cut: list[str] = []
+    if nccl_logs:
+        from gpudiag.transport.bundled import bundled_logs
+
+        kept, cut = bundled_logs(list(nccl_logs), anonymize=anonymize)
+        given = {name: text.encode("utf-8", "surrogateescape") for text, name in kept}
+        files.update(given)
+        here = dataclasses.replace(here, files={**here.files, **given})
     with tempfile.TemporaryDirectory(prefix="gpudiag-report-") as scratch:
         for name, config, why in plan(here, names, model=model, inject=inject, pairs=pairs, inputs=inputs):
             if progress is not None:
@@ -177,6 +200,7 @@ def run_report(
                 run = run_check(name, config, here, why=why)
                 for path in sorted(logs.glob("*.log")):
                     files[f"logs/{name}/{path.name}"] = path.read_bytes()
+            _nccl_files(name, run, files, cut)
             trace = _trace(run)
             if trace is not None:
                 files[f"traces/{name}.json"] = trace
@@ -189,6 +213,23 @@ def run_report(
     files.update({f"watch/{name}": data for name, data in read_records().items()})
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Report(runs, here, created, argv or ["gpudiag", *sys.argv[1:]], anonymize, files)
+
+
+def _nccl_files(name: str, run: CheckRun, files: dict[str, bytes], cut: list[str]) -> None:
+    """The NCCL logs a check's report read (``nccl_logs``: the live transport run's rank
+    logs), bounded, into ``logs/<check>/``; those given with ``--nccl-log`` are bundled
+    already, and the notes on what of them was cut join the check's result."""
+    from gpudiag.transport.bundled import bounded
+
+    logs = getattr(run.report, "nccl_logs", None)
+    if not logs:
+        return
+    if cut and any(log_name in files for log_name, _ in logs):
+        run.report.notes.extend(cut)
+        run.result = run.report.to_json()
+    kept, _ = bounded([(text, log_name) for log_name, text in logs if log_name not in files])
+    for text, log_name in kept:
+        files[f"logs/{name}/{log_name}"] = text.encode("utf-8", "surrogateescape")
 
 
 def _trace(run: CheckRun) -> bytes | None:
@@ -208,8 +249,8 @@ def bundle_files(report: Report) -> dict[str, bytes]:
 
     files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}
     files["REPORT.md"] = report_markdown(report).encode()
-    if report.failed:
-        files["repro.py"] = repro_script(report.failed).encode()
+    if report.reproducible:
+        files["repro.py"] = repro_script(report.reproducible).encode()
     if report.here.machine is not None:
         document = machine_json(report.here.machine, f"the machine of {report.here.machine_source}")
         files[MACHINE_FILE] = (json.dumps(document, indent=1) + "\n").encode()

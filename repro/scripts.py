@@ -152,3 +152,8 @@ def _peer(run: CheckRun, sources: dict[str, str]) -> dict[str, Any]:
 
 
 _BUILDERS = {"gradcheck": _gradcheck, "nancheck": _nancheck, "peer": _peer}
+
+
+def reproducible(name: str) -> bool:
+    """Whether ``repro.py`` can reproduce check ``name``."""
+    return name in _BUILDERS

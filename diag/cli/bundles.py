@@ -46,6 +46,13 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     if options["model"]:
         resolve_model(options["model"])
     check_input_range(options["input_dtype"], options["input_range"])
+    nccl_logs = None
+    if options.get("nccl_log"):
+        if options["checks"] and "transport" not in options["checks"]:
+            raise click.UsageError("--nccl-log is read by the transport check: add transport to --checks")
+        from gpudiag.transport.run import read_logs
+
+        nccl_logs = read_logs(list(options["nccl_log"]))
     here = Here.detect(options["machine"])
     if options["pairs"] != "all" and here.gpus:  # without GPUs no check uses pairs
         from gpudiag.parsers import parse_pairs
@@ -66,6 +73,7 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
             "input_dtype": None if options["input_dtype"] == "float" else options["input_dtype"],
             "input_range": None if options["input_range"] is None else list(options["input_range"]),
         },
+        nccl_logs=nccl_logs,
     )
     if bundle:
         redactor = Redactor(anonymize=options["anonymize"])

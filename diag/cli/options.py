@@ -175,6 +175,14 @@ def suite_options(command: Any) -> Any:
         input_options,
         pairs_option("GPU pairs for peer and nancheck (all pairs can take long on many GPUs)."),
         inject_option("Inject a fault into every check that moves tensors: SRC->DST:KIND[@STEP][xCOUNT]."),
+        click.option(
+            "--nccl-log",
+            "nccl_log",
+            multiple=True,
+            metavar="FILE",
+            help="A saved NCCL_DEBUG=INFO log (repeatable): the transport check reads it and the "
+            "bundle keeps it (bounded, redacted; host names masked with --anonymize).",
+        ),
         format_option(("text", "json", "markdown")),
     ]
     for option in reversed(options):

@@ -87,12 +87,12 @@ def report_markdown(report: Any) -> str:
             if f.evidence:
                 out += ["", "  " + _details("evidence", _code(json.dumps(f.evidence), "json"))]
         out += ["", f"Run it alone: `{check.command}`", ""]
-    if report.failed:
-        names = " ".join(c.name for c in report.failed)
+    if report.reproducible:
+        names = " ".join(c.name for c in report.reproducible)
         out += [
             "## Reproduce",
             "",
-            f"`python repro.py` (needs only torch; `python repro.py {report.failed[0].name}` for one "
+            f"`python repro.py` (needs only torch; `python repro.py {report.reproducible[0].name}` for one "
             f"check: {names}) exits non-zero while the problem shows. `gpudiag replay BUNDLE` re-runs "
             "every check with this configuration and compares.",
             "",
@@ -104,6 +104,11 @@ def report_markdown(report: Any) -> str:
         text = io.StringIO()
         render("topology", topology.report, "markdown", text)
         out += [_details("Topology", text.getvalue())]
+    transport = next((c for c in report.checks if c.name == "transport" and c.report is not None), None)
+    if transport is not None:  # (the table of pairs; the findings are above)
+        from gpudiag.render.transport import pairs_markdown
+
+        out += [_details("NCCL transports", "\n".join(pairs_markdown(transport.report)))]
     env = doc.get("env")
     if env:
         from gpudiag.render.env_lines import env_lines

@@ -61,7 +61,7 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
     if report.bundle_path:
         out.print(
             f"\nBundle: {escape(str(report.bundle_path))} — REPORT.md to paste into an issue"
-            + (", repro.py to reproduce with torch alone" if report.failed else "")
+            + (", repro.py to reproduce with torch alone" if report.reproducible else "")
             + f"; `gpudiag replay {escape(str(report.bundle_path))}` re-runs it."
         )
     if doctor and here.cuda_gpus == 0 and here.machine is None:

@@ -30,7 +30,11 @@ def bundle_names(names: list[str]) -> list[str]:
     return [f"{FOLDER}/{i}-{_UNSAFE.sub('_', name).strip('._') or 'log'}" for i, name in enumerate(names, 1)]
 
 
-def _bounded(texts: list[tuple[str, str]], limit: int) -> tuple[list[tuple[str, str]], list[str]]:
+def bounded(
+    texts: list[tuple[str, str]], limit: int = MAX_BUNDLED_BYTES
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(text, name)`` of each log within ``limit`` bytes in all (each cut at a line end
+    where the budget ends), and a note per log that was cut."""
     kept, notes, left = [], [], limit
     for text, name in texts:
         data = text.encode("utf-8", "surrogateescape")
@@ -63,7 +67,7 @@ def bundled_logs(
 ) -> tuple[list[tuple[str, str]], list[str]]:
     """``(text, bundle name)`` of each log as the bundle holds it (bounded, anonymised,
     redacted), and notes on what was cut."""
-    kept, notes = _bounded(texts, limit)
+    kept, notes = bounded(texts, limit)
     if anonymize:
         kept = _pseudonyms(kept)
     redactor = Redactor(anonymize=anonymize)

@@ -33,14 +33,22 @@ def read_log_file(path: str) -> tuple[str, str]:
     return data.decode("utf-8", "replace"), name
 
 
-def transport_report(logs: list[str], machine: str | None = None) -> TransportReport:
-    """The pairs and findings of one or more ``NCCL_DEBUG=INFO`` logs, with the topology
-    of ``machine`` (a capture or machine file) beside them when given."""
+def read_logs(logs: list[str]) -> list[tuple[str, str]]:
+    """``(text, name)`` of each log file (bounded); :class:`InputError` when none of
+    them holds an NCCL line."""
     texts = [read_log_file(path) for path in logs]
     log = read_log(texts)
     if not log.connections and log.nccl_lines == 0:
         names = ", ".join(name for _, name in texts)
         raise InputError(f"{names}: no NCCL line in it (expected the output of a run with NCCL_DEBUG=INFO)")
+    return texts
+
+
+def transport_report(logs: list[str], machine: str | None = None) -> TransportReport:
+    """The pairs and findings of one or more ``NCCL_DEBUG=INFO`` logs, with the topology
+    of ``machine`` (a capture or machine file) beside them when given."""
+    texts = read_logs(logs)
+    log = read_log(texts)
     topology = None
     if machine is not None:
         from gpudiag.hw.sources import read_machine_or_capture
