@@ -185,3 +185,22 @@ def test_bench_on_two_gpus_reads_its_ddp_ranks_nccl_log() -> None:
     assert result.transport is not None and result.transport.pairs, result.transport_note
     assert all(not p.transport.startswith("NET/") for p in result.transport.pairs)
     assert result.to_json()["transport"]["nccl_version"] is not None
+
+
+def _ok(rank: int, world: int) -> bytes:
+    return b"ok"
+
+
+def test_a_capture_inside_a_reports_rank_logs_leaves_its_numbering_alone(tmp_path: Path) -> None:
+    """report runs each check inside rank_logs; the live transport check captures its own
+    ranks inside that. The inner block restarted the outer numbering, so the outer block's
+    next launch overwrote launch1's logs."""
+    from gpudiag.runtime.launch import launch, rank_logs
+
+    with rank_logs(tmp_path) as outer:
+        launch(_ok, 1)
+        launch(_ok, 1)
+        with NcclCapture() as capture, capture.ranks("inner"):
+            launch(_ok, 1)
+        launch(_ok, 1)
+    assert sorted(p.name for p in outer.glob("*.log")) == [f"launch{n}-rank0.log" for n in (1, 2, 3)]
