@@ -221,17 +221,34 @@ def _run_transport(config: dict[str, Any], here: Here) -> CheckResult:
     return report
 
 
+#: Where a report bundle keeps the topology a live transport run was judged on
+#: (gpudiag.transport.bundled.MACHINE).
+NCCL_MACHINE = "nccl/machine.json"
+
+
 def _transport_from_bundle(config: dict[str, Any], here: Here) -> CheckResult:
     """The logs a bundle holds (``nccl/…``) read again, on the bundle's machine if it had one."""
     from gpudiag.errors import InputError
     from gpudiag.transport.analysis import analyze
     from gpudiag.transport.reader import read_log
 
-    missing = [name for name in config["from_log"] if name not in here.files]
+    wanted = [*config["from_log"], *([NCCL_MACHINE] if config.get("machine") == NCCL_MACHINE else [])]
+    missing = [name for name in wanted if name not in here.files]
     if missing:
-        raise InputError(f"the NCCL log {missing[0]} the transport check read is not in the bundle")
+        raise InputError(f"{missing[0]}, which the transport check read, is not in the bundle")
     texts = [(here.files[name].decode("utf-8", "replace"), name) for name in config["from_log"]]
-    report = analyze(read_log(texts), _machine(config, here))
+    if config.get("machine") == NCCL_MACHINE:  # (the NVML topology of a live run, bundled)
+        import json
+
+        from gpudiag.hw.machine import from_json
+
+        try:
+            topology = from_json(json.loads(here.files[NCCL_MACHINE]), NCCL_MACHINE)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+            raise InputError(f"{NCCL_MACHINE} is damaged ({type(exc).__name__}: {exc})") from None
+    else:
+        topology = _machine(config, here)
+    report = analyze(read_log(texts), topology)
     report.nccl_logs = [(name, text) for text, name in texts]
     result: CheckResult = report
     return result

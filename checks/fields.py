@@ -97,6 +97,16 @@ def _nccl_logs(value: Any) -> str | None:
     return None
 
 
+def _transport_machine(value: Any) -> str | None:
+    """The transport check's topology: the bundle's machine.json, or nccl/machine.json (the
+    NVML topology a live run's pairs were placed on)."""
+    from gpudiag.transport.bundled import MACHINE
+
+    if value == MACHINE:
+        return None
+    return _machine(value)
+
+
 def _pairs(value: Any) -> str | None:
     import re
 
@@ -184,7 +194,7 @@ def config_fields() -> dict[str, dict[str, Any]]:
         "peer": {"machine": _machine, "pairs": _pairs, "inject": _inject, "sizes": _sizes},
         "gradcheck": {**model, **_declared(GradcheckOptions), "output": _output, "sync_batchnorm": _flag},
         "nancheck": {**model, **_declared(NancheckOptions), "machine": _machine, "pairs": _pairs},
-        "transport": {"from_log": _nccl_logs, "machine": _machine},
+        "transport": {"from_log": _nccl_logs, "machine": _transport_machine},
     }
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from gpudiag.checks import registry
 from gpudiag.checks.fields import LIMITS, RESULT_LISTS, result_problem
-from gpudiag.checks.registry import MACHINE_FILE
 from gpudiag.errors import InputError
 from gpudiag.repro.bundle import Bundle
 
@@ -36,8 +35,8 @@ def check_configs(bundle: Bundle) -> None:
                 problem = fields[key](value)
                 if problem:
                     raise InputError(f"{bundle.path}: {where}: {problem}")
-                if key == "machine" and value is not None and MACHINE_FILE not in bundle.files:
-                    raise InputError(f"{bundle.path}: {where} names {MACHINE_FILE}, which the bundle lacks")
+                if key == "machine" and value is not None and value not in bundle.files:
+                    raise InputError(f"{bundle.path}: {where} names {value}, which the bundle lacks")
         result = check.get("result")
         if isinstance(result, dict) and name in RESULT_LISTS:
             problem = result_problem(name, result)

@@ -10,10 +10,11 @@ A bundle is a folder, or a ``.zip`` when its name ends so, holding:
   each failing check and exits non-zero when the problem shows;
 - ``machine.json``: the machine the virtual devices were laid out like (``--machine``);
 - ``traces/<check>.json``: what the runtime recorded (Chrome trace format, Perfetto);
-- ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL;
-  the live ``transport`` check's ranks' NCCL log, bounded, lands in ``logs/transport/``);
-- ``nccl/<i>-<name>``: the NCCL logs given with ``--nccl-log`` as the ``transport`` check read
-  them (bounded, host names ``anon-host-N`` with ``--anonymize``: :mod:`gpudiag.transport.bundled`);
+- ``logs/<check>/launch<N>-rank<R>.log``: every rank's output (``NCCL_DEBUG=INFO`` for NCCL);
+- ``nccl/<i>-<name>``: the NCCL logs the ``transport`` check read — given with ``--nccl-log``,
+  or its own ranks' — bounded, host names ``anon-host-N`` with ``--anonymize``
+  (:mod:`gpudiag.transport.bundled`); ``nccl/machine.json``: the NVML topology a live run's
+  pairs were placed on;
 - ``watch/watch-rank<R>.json``: what ``gpudiag.watch`` recorded of the user's own training
   (schema ``gpudiag.watch/1``, from ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``).
 
@@ -200,7 +201,7 @@ def run_report(
                 run = run_check(name, config, here, why=why)
                 for path in sorted(logs.glob("*.log")):
                     files[f"logs/{name}/{path.name}"] = path.read_bytes()
-            _nccl_files(name, run, files, cut)
+            _nccl_files(run, files, cut, anonymize)
             trace = _trace(run)
             if trace is not None:
                 files[f"traces/{name}.json"] = trace
@@ -215,21 +216,35 @@ def run_report(
     return Report(runs, here, created, argv or ["gpudiag", *sys.argv[1:]], anonymize, files)
 
 
-def _nccl_files(name: str, run: CheckRun, files: dict[str, bytes], cut: list[str]) -> None:
-    """The NCCL logs a check's report read (``nccl_logs``: the live transport run's rank
-    logs), bounded, into ``logs/<check>/``; those given with ``--nccl-log`` are bundled
-    already, and the notes on what of them was cut join the check's result."""
-    from gpudiag.transport.bundled import bounded
+def _nccl_files(run: CheckRun, files: dict[str, bytes], cut: list[str], anonymize: bool) -> None:
+    """The NCCL logs a check's report read (``nccl_logs``). Those given with ``--nccl-log``
+    are bundled already; the notes on what of them was cut join the check's result. A live
+    transport run's rank logs go in as ``--nccl-log`` ones do (:func:`bundled_logs`), with
+    the NVML topology its pairs were placed on (``nccl/machine.json``), and its recorded
+    configuration becomes the reading of them, so replay re-reads what was judged here."""
+    from gpudiag.transport.bundled import MACHINE, bundled_logs
 
-    logs = getattr(run.report, "nccl_logs", None)
-    if not logs:
+    report = run.report
+    logs = getattr(report, "nccl_logs", None)
+    if not logs or run.config is None:
         return
-    if cut and any(log_name in files for log_name, _ in logs):
-        run.report.notes.extend(cut)
-        run.result = run.report.to_json()
-    kept, _ = bounded([(text, log_name) for log_name, text in logs if log_name not in files])
-    for text, log_name in kept:
-        files[f"logs/{name}/{log_name}"] = text.encode("utf-8", "surrogateescape")
+    if run.config.get("from_log"):
+        if cut:
+            report.notes.extend(cut)
+            run.result = report.to_json()
+        return
+    kept, notes = bundled_logs([(text, log_name) for log_name, text in logs], anonymize=anonymize)
+    files.update({name: text.encode("utf-8", "surrogateescape") for text, name in kept})
+    run.config = {"from_log": [name for _, name in kept], "machine": None}
+    if report.topology is not None:
+        from gpudiag.hw.machine import to_json
+
+        document = to_json(report.topology, "the topology gpudiag transport's live run was judged on")
+        files[MACHINE] = (json.dumps(document, indent=1) + "\n").encode()
+        run.config["machine"] = MACHINE
+    if notes:
+        report.notes.extend(notes)
+        run.result = report.to_json()
 
 
 def _trace(run: CheckRun) -> bytes | None:

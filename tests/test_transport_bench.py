@@ -204,3 +204,25 @@ def test_a_capture_inside_a_reports_rank_logs_leaves_its_numbering_alone(tmp_pat
             launch(_ok, 1)
         launch(_ok, 1)
     assert sorted(p.name for p in outer.glob("*.log")) == [f"launch{n}-rank0.log" for n in (1, 2, 3)]
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_ranks_that_print_no_nccl_line_give_a_note_naming_the_users_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL_DEBUG_FILE set by the user: NCCL writes its lines there, not to the ranks'
+    stdout, so bench's log has none; it says where they went instead of a table."""
+    monkeypatch.setattr("gpudiag.checks.bench.run.records", lambda kind: True)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p")
+    result = gpudiag.bench(
+        models.flat_mlp, input_shape=(3, 4, 4), num_classes=4, batch_size=4, steps=2, warmup=1,
+        strategies=("ddp",),
+    )  # fmt: skip
+    assert result.transport is None and result.to_json()["transport"] is None
+    note = result.transport_note or ""
+    assert "holds no NCCL line" in note and "NCCL_DEBUG_FILE=/tmp/nccl.%h.%p" in note
+    assert "NCCL_DEBUG=INFO set by you" in note
+    text = io.StringIO()
+    render("bench", result, "text", text)
+    assert "NCCL log: the DDP ranks' log holds no NCCL line" in text.getvalue()

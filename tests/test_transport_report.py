@@ -131,12 +131,14 @@ def test_a_bundle_naming_a_log_outside_its_nccl_folder_is_refused(tmp_path: Path
     assert got.exit_code == 2 and "from_log" in got.output and "Traceback" not in got.output
 
 
-def test_the_live_transport_check_bundles_its_ranks_nccl_log(
+def test_the_live_transport_check_bundles_its_ranks_log_and_topology_and_replay_rereads_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The suite's live check on "two GPUs": the NCCL run is faked by the ranks' logs it
     would write (a real log's lines, split by the device that printed them); NVML is the
-    project's fake NVSwitch H100. The ranks' logs land in logs/transport/, redacted."""
+    project's fake NVSwitch H100. The logs and the topology the pairs were placed on go into
+    the bundle, and the recorded configuration reads them: replay on a machine without GPUs
+    re-reads them and gets the same pairs and findings."""
     from tests.test_transport_bench import rank_lines
 
     texts = [("\n".join(rank_lines(r, 2)) + "\n", f"launch1-rank{r}.log") for r in range(2)]
@@ -144,10 +146,22 @@ def test_the_live_transport_check_bundles_its_ranks_nccl_log(
     monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(DATA / "nvml" / "h100_8gpu_nvswitch.json"))
     report = run_report(Here(cuda_gpus=2, nvml=None), ["transport"], anonymize=True)
     (run,) = report.checks
-    assert run.config == {} and [f.code for f in run.findings] == ["nccl-slow-path"]
-    assert sorted(report.files) == ["logs/transport/launch1-rank0.log", "logs/transport/launch1-rank1.log"]
+    names = ["nccl/1-launch1-rank0.log", "nccl/2-launch1-rank1.log"]
+    assert run.config == {"from_log": names, "machine": "nccl/machine.json"}
+    assert [f.code for f in run.findings] == ["nccl-slow-path"]
+    assert sorted(report.files) == [
+        "nccl/1-launch1-rank0.log",
+        "nccl/2-launch1-rank1.log",
+        "nccl/machine.json",
+    ]
     path = write_bundle(report, tmp_path / "b", redactor=Redactor(anonymize=True, hostname=HOST))
-    log = (path / "logs" / "transport" / "launch1-rank0.log").read_text()
-    assert "NCCL INFO" in log and HOST not in log and "<host>:3884652" in log
+    every_byte = b"".join(p.read_bytes() for p in path.rglob("*") if p.is_file())
+    assert HOST.encode() not in every_byte and b"anon-host-1:3884652" in (path / names[0]).read_bytes()
     again = replay(read_bundle(path), Here(cuda_gpus=0, nvml="no NVML (test)"))
-    assert again.checks[0].here is not None and again.checks[0].here.status == "skipped"
+    (item,) = again.checks
+    assert item.match and item.here is not None and item.here.status == run.status == "fail"
+    assert [f.code for f in item.here.findings] == ["nccl-slow-path"]
+    assert [p[:2] + p[4:] for p in pairs_of(item.here.result or {})] == [
+        p[:2] + p[4:] for p in pairs_of(run.result or {})
+    ]
+    assert {p["offers"] for p in (item.here.result or {})["pairs"]} == {"NV18"}

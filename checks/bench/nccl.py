@@ -15,6 +15,7 @@ bench's to capture (one note says how to read it).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -103,4 +104,9 @@ class BenchNccl:
             if report is not None:
                 return Transport(report, case.label, kept, list(report.findings))
         why = "the DDP ranks' log holds no NCCL line"
-        return Transport(note=f"{why}: {kept}" if kept else why)
+        if os.environ.get("NCCL_DEBUG_FILE"):  # (NCCL writes there instead of stdout)
+            why += (
+                f"; NCCL_DEBUG_FILE={os.environ['NCCL_DEBUG_FILE']} sends NCCL's lines to your file: "
+                "read it with gpudiag transport --from-log FILE"
+            )
+        return Transport(note=f"{why}; {kept}" if kept else why)

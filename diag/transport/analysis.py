@@ -149,4 +149,5 @@ def analyze(log: NcclLog, topology: Topology | None = None) -> TransportReport:
         findings=findings,
         topology_source=topology.source if topology is not None else None,
         host_notes=notes,
+        topology=topology,
     )

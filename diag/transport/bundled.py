@@ -22,6 +22,8 @@ from gpudiag.transport.reader import read_log
 MAX_BUNDLED_BYTES = 16 << 20
 #: Where the logs go inside the bundle.
 FOLDER = "nccl"
+#: The topology a live run's pairs were placed on, as a machine file inside the bundle.
+MACHINE = f"{FOLDER}/machine.json"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -82,6 +82,8 @@ class TransportReport:
     notes: list[str] = field(default_factory=list)
     #: ``(name, text)`` of the logs read, where a report bundle keeps them (not in the JSON)
     nccl_logs: list[tuple[str, str]] = field(default_factory=list, repr=False)
+    #: the Topology the pairs were placed on, or None (a report bundle keeps it)
+    topology: Any = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return short_repr(
