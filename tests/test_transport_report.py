@@ -165,3 +165,17 @@ def test_the_live_transport_check_bundles_its_ranks_log_and_topology_and_replay_
         p[:2] + p[4:] for p in pairs_of(run.result or {})
     ]
     assert {p["offers"] for p in (item.here.result or {})["pairs"]} == {"NV18"}
+
+
+@pytest.mark.multi_gpu
+def test_report_on_two_gpus_bundles_the_live_runs_log_and_replay_rereads_it(tmp_path: Path) -> None:
+    """The real thing: the suite's transport check runs NCCL on this machine's GPUs; the
+    bundle holds its ranks' logs, and replay re-reads them to the same pairs."""
+    result, bundle = report_cli(tmp_path, "--format", "json")
+    assert result.exit_code in (0, 1), result.output
+    check = transport_doc(bundle)
+    assert check["config"]["from_log"] and check["result"]["pairs"]
+    assert all((bundle / name).is_file() for name in check["config"]["from_log"])
+    got = CliRunner().invoke(cli, ["replay", str(bundle), "--format", "json"])
+    (item,) = json.loads(got.stdout)["checks"]
+    assert got.exit_code == 0 and item["match"], got.output
