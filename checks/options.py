@@ -33,6 +33,8 @@ class Spec:
     #: kept in a report bundle's configuration (False: a setting of this run only, which a
     #: bundle — someone else's input — may not set for replay, e.g. a deadline)
     recorded: bool = True
+    #: the command-line flag where it is not ``--NAME`` (``--dtype`` for bench's ``dtypes``)
+    flag: str | None = None
 
 
 def option(default: Any, **spec: Any) -> Any:
@@ -95,9 +97,30 @@ class NancheckOptions:
     )
 
 
+@dataclass(frozen=True)
+class BenchOptions:
+    """``gpudiag bench``'s measuring options (and ``bench()``'s keyword arguments). Not a
+    check of the suite: no bundle holds them, so nothing here is recorded for replay."""
+
+    batch_size: int = option(32, low=1, help="Samples per step (see --per-gpu/--global).")
+    strategies: tuple[str, ...] = option(
+        D.STRATEGIES, choices=D.STRATEGIES, many=True, help="Comma-separated strategies to measure."
+    )
+    dtypes: tuple[str, ...] = option(
+        ("fp32",), choices=D.DTYPES, many=True, flag="--dtype", help="Comma-separated precisions to measure."
+    )
+    epoch_samples: int = option(
+        50_000, low=1, help="Samples in an epoch, for the time per epoch (CIFAR-10's training set: 50,000)."
+    )
+    steps: int = option(20, low=2, help="Timed steps.")
+    warmup: int = option(3, low=1, help="Steps run first and not timed.")
+    timeout: float = option(D.TIMEOUT_S, low=0, low_open=True, help="Deadline for each case, in seconds.")
+
+
 #: The defaults, as instances: ``gradcheck(..., lr=GRADCHECK.lr)``.
 GRADCHECK = GradcheckOptions()
 NANCHECK = NancheckOptions()
+BENCH = BenchOptions()
 #: The options type of each check that has one.
 OPTIONS: dict[str, type] = {"gradcheck": GradcheckOptions, "nancheck": NancheckOptions}
 

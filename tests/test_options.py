@@ -89,3 +89,22 @@ def test_nancheck_trains_with_the_loss_it_declares(tmp_path: Any) -> None:
     args = ["nancheck", "--machine", seed, "--pairs", "0-1", "--steps", "2", "--input-shape", "8"]
     done = CliRunner().invoke(cli, [*args, "--loss", "mse", "--format", "json"])
     assert done.exit_code == 0, done.output
+
+
+def test_bench_options_are_declared_once_too() -> None:
+    """bench is no check of the suite (nothing of it is bundled), but its command and its
+    Python API take their defaults, choices and ranges from one declaration as well."""
+    from click.testing import CliRunner
+
+    from gpudiag.checks.bench import bench
+    from gpudiag.checks.options import BENCH, BenchOptions
+
+    api = inspect.signature(bench).parameters
+    params = _cli_params("bench")
+    for name, (default, spec) in specs(BenchOptions).items():
+        assert api[name].default == default == getattr(BENCH, name), name
+        assert params[name].default == (",".join(default) if spec.many else default), name
+    assert params["dtypes"].opts == ["--dtype"]  # (the flag users know, for the field dtypes)
+    for args, word in ((["--dtype", "fp8"], "fp32, bf16, fp16"), (["--steps", "1"], "--steps")):
+        refused = CliRunner().invoke(cli, ["bench", "--model", "mlp", *args])
+        assert refused.exit_code == 2 and word in refused.output, refused.output

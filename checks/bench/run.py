@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from gpudiag import defaults as D
+from gpudiag.checks.options import BENCH
 from gpudiag.errors import InputError, from_user_code, naming_model
 from gpudiag.progress import note
 from gpudiag.runtime.launch import torchrun_world
@@ -117,25 +119,25 @@ def default_gpus(kind: str, available: list[int], asked: Sequence[int] | None = 
 def bench(
     model: str | Callable[[], Any],
     *,
-    input_shape: tuple[int, ...] = (3, 32, 32),
-    num_classes: int = 10,
-    batch_size: int = 32,
+    input_shape: tuple[int, ...] = D.INPUT_SHAPE,
+    num_classes: int = D.NUM_CLASSES,
+    batch_size: int = BENCH.batch_size,
     convention: str = "per_gpu",
-    strategies: Sequence[str] = ("single", "dp", "ddp"),
+    strategies: Sequence[str] = BENCH.strategies,
     gpus: Sequence[int] | None = None,
-    dtypes: Sequence[str] = ("fp32",),
+    dtypes: Sequence[str] = BENCH.dtypes,
     data: str = "synthetic",
     devices: Sequence[int] | None = None,
-    epoch_samples: int = 50_000,
-    steps: int = 20,
-    warmup: int = 3,
+    epoch_samples: int = BENCH.epoch_samples,
+    steps: int = BENCH.steps,
+    warmup: int = BENCH.warmup,
     machine: Topology | str | None = None,
     input_dtype: str = "float",
     input_range: tuple[float, float] | None = None,
     optimizer: str = "sgd",
-    lr: float = 0.01,
-    seed: int = 0,
-    timeout: float = 300.0,
+    lr: float = D.LR,
+    seed: int = D.SEED,
+    timeout: float = BENCH.timeout,
 ) -> BenchResult:
     """Measure ``model`` (a ``--model`` spec or a factory) per (strategy, GPU count,
     dtype): samples/s, step time p50/p95, speedup, phases, peak memory. ``convention``:

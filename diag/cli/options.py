@@ -119,15 +119,6 @@ def output_key(_ctx: click.Context, _param: click.Parameter, value: str | None) 
     return int(value) if value.lstrip("-").isdigit() else value
 
 
-def strategies_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in value.split(",") if s.strip())
-    bad = [s for s in names if s not in D.STRATEGIES]
-    if bad or not names:
-        expected = ", ".join(D.STRATEGIES)
-        raise click.BadParameter(f"expected a list of {expected}; got {value!r}", ctx=ctx, param=param)
-    return names
-
-
 def check_names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
     import gpudiag.checks.suite  # noqa: F401  (registers gpudiag's own checks)
     from gpudiag.checks.registry import names as registered
@@ -228,14 +219,6 @@ def data_source(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-def dtype_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in value.split(",") if s.strip())
-    if not names or any(n not in D.DTYPES for n in names):
-        expected = ", ".join(D.DTYPES)
-        raise click.BadParameter(f"expected a list of {expected}; got {value!r}", ctx=ctx, param=param)
-    return names
-
-
 #: What --machine means for every command that takes it.
 MACHINE_HELP = "Run on CPU virtual devices laid out like this machine file or capture (no GPU needed)."
 INJECT_HELP = "Inject a fault: SRC->DST:KIND[@STEP][xCOUNT], KIND nan|inf|zero|bitflip|scale=F (repeatable)."
@@ -284,12 +267,14 @@ def declared_options(options: type, *names: str) -> Any:
     def decorate(command: Any) -> Any:
         for name in reversed(names):
             default, spec = table[name]
-            flag = "--" + name.replace("_", "-")
+            flag = spec.flag or "--" + name.replace("_", "-")
             if spec.many:
                 command = click.option(
                     flag,
+                    name,
                     default=",".join(default),
                     show_default=True,
+                    metavar=",".join(spec.choices or ()),
                     callback=_choices_list(spec.choices or ()),
                     help=spec.help,
                 )(command)
@@ -305,7 +290,7 @@ def declared_options(options: type, *names: str) -> Any:
                 kind = click.FloatRange(spec.low, spec.high, min_open=spec.low_open)
             else:
                 kind = float
-            command = click.option(flag, default=default, show_default=True, type=kind, help=spec.help)(
+            command = click.option(flag, name, default=default, show_default=True, type=kind, help=spec.help)(
                 command
             )
         return command

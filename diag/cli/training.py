@@ -9,14 +9,13 @@ from typing import Any
 import click
 
 from gpudiag import defaults as D
-from gpudiag.checks.options import GradcheckOptions, NancheckOptions
+from gpudiag.checks.options import BenchOptions, GradcheckOptions, NancheckOptions
 from gpudiag.cli.group import cli
 from gpudiag.cli.options import (
     check_trace,
     data_source,
     declared_options,
     device_list,
-    dtype_list,
     format_option,
     gpu_counts,
     inject_option,
@@ -26,7 +25,6 @@ from gpudiag.cli.options import (
     output_key,
     pairs_option,
     runtime_options,
-    strategies_list,
 )
 
 
@@ -189,7 +187,7 @@ def peer(
 @input_shape_option()
 @input_options
 @click.option("--num-classes", default=D.NUM_CLASSES, show_default=True, type=click.IntRange(1))
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1))
+@declared_options(BenchOptions, "batch_size")
 @click.option(
     "--per-gpu/--global",
     "per_gpu",
@@ -197,7 +195,7 @@ def peer(
     show_default=True,
     help="--batch-size per GPU (the global batch grows with the GPUs) or in total (split over them).",
 )
-@click.option("--strategies", default="single,dp,ddp", show_default=True, callback=strategies_list)
+@declared_options(BenchOptions, "strategies")
 @click.option(
     "--gpus",
     default=None,
@@ -205,9 +203,7 @@ def peer(
     metavar="N,…",
     help="GPU counts for dp/ddp (default: 2,4,8 up to what there is).",
 )
-@click.option(
-    "--dtype", "dtypes", default="fp32", show_default=True, callback=dtype_list, metavar="fp32,bf16,fp16"
-)
+@declared_options(BenchOptions, "dtypes")
 @click.option(
     "--data",
     default="synthetic",
@@ -224,19 +220,9 @@ def peer(
     help="The GPUs to run on (torch indices; a machine's GPU numbers); the first N for N GPUs. "
     "Default: the best-connected GPUs of a --machine, else the first.",
 )
-@click.option(
-    "--epoch-samples",
-    default=50_000,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Samples in an epoch, for the time per epoch (CIFAR-10's training set: 50,000).",
-)
-@click.option("--steps", default=20, show_default=True, type=click.IntRange(2), help="Timed steps.")
-@click.option(
-    "--warmup", default=3, show_default=True, type=click.IntRange(1), help="Steps run first and not timed."
-)
+@declared_options(BenchOptions, "epoch_samples", "steps", "warmup")
 @machine_option("machine")
-@click.option("--timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@declared_options(BenchOptions, "timeout")
 @click.option("-o", "output", metavar="FILE", help="Also write the result as JSON (gpudiag.bench/1) to FILE.")
 @click.option("--force", is_flag=True, help="Replace an existing -o FILE.")
 @click.option("--compare", nargs=2, metavar="BEFORE AFTER", help="Compare two -o files instead of measuring.")
