@@ -374,3 +374,44 @@ def test_direct_pointer_read_and_ib_without_gdr_across_hosts() -> None:
     assert table[(3, 2, "P2P/direct")] == 4 and table[(9, 0, "NET/IB")] == 1
     assert next(p.raw for p in rep.pairs if p.from_rank == 9) == "NET/IB/1"
     assert rep.findings == [] and [u.line for u in rep.unread] == [14]
+
+
+# CUDA_VISIBLE_DEVICES: NCCL's connection lines name CUDA device numbers, which are the
+# process's own; its Init lines (2.16+) also give the NVML index, nvidia-smi's GPU number.
+# Synthetic, in NCCL 2.19+'s line form; the machine is the real DGX-1 capture, where GPU0-GPU1
+# and GPU4-GPU5 are NVLink and GPU0-GPU5 is SYS.
+SYNTHETIC_VISIBLE_0_5 = """\
+dgx:201:301 [0] NCCL INFO comm 0x1 rank 0 nranks 2 cudaDev 0 nvmlDev 0 busId 6000 - Init START
+dgx:202:302 [1] NCCL INFO comm 0x2 rank 1 nranks 2 cudaDev 1 nvmlDev 5 busId 8a000 - Init START
+dgx:201:301 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct
+dgx:202:302 [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via SHM/direct/direct
+"""
+SYNTHETIC_ONE_GPU_EACH = """\
+dgx:201:301 [0] NCCL INFO comm 0x1 rank 0 nranks 2 cudaDev 0 nvmlDev 4 busId 85000 - Init START
+dgx:202:302 [0] NCCL INFO comm 0x2 rank 1 nranks 2 cudaDev 0 nvmlDev 5 busId 8a000 - Init START
+dgx:201:301 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] via SHM/direct/direct
+dgx:202:302 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] via SHM/direct/direct
+"""
+
+
+def test_pairs_are_placed_by_nvidia_smi_number_under_cuda_visible_devices() -> None:
+    """CUDA_VISIBLE_DEVICES=0,5: the pair is GPU0-GPU5 (SYS, where SHM is NCCL's normal
+    choice), not GPU0-GPU1 (NVLink): placing it by CUDA device number called a healthy
+    machine slow."""
+    rep = report(text=SYNTHETIC_VISIBLE_0_5, machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
+    assert {p.offers for p in rep.pairs} == {"SYS"}
+    assert codes(rep) == [] and rep.exit_code() == 0
+    assert [(p.from_device, p.to_device) for p in rep.pairs] == [(0, 1), (1, 0)]  # (the log's own numbers)
+
+
+def test_each_process_seeing_its_own_gpu_is_named_from_the_log() -> None:
+    """Every rank sees one GPU as cudaDev 0 (CUDA_VISIBLE_DEVICES per process): the pair is
+    GPU4-GPU5 (NVLink), over SHM, and the first cause is what the log itself shows."""
+    rep = report(text=SYNTHETIC_ONE_GPU_EACH, machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
+    assert codes(rep) == ["nccl-slow-path"]
+    assert {p.offers for p in rep.pairs} == {"NV1"}
+    cause = rep.findings[0].cause or ""
+    assert cause.startswith(
+        "1. the log shows each process seeing its own GPU: cudaDev 0 is rank 0 GPU 4, rank 1 GPU 5"
+    )
+    assert cause.count("CUDA_VISIBLE_DEVICES set per process") == 1

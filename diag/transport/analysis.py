@@ -8,8 +8,11 @@ slower path than the hardware offers; NCCL's normal choices — SHM on NODE/SYS 
 P2P/direct within one process, NET across hosts — stay quiet.
 
 Mapping a pair onto the topology: by bus id when the log prints bus ids and the topology
-knows them, else by CUDA device index as ``GPU<n>`` (right when ``CUDA_VISIBLE_DEVICES`` is
-unset and devices are in PCI order, as on servers of one GPU model). Only pairs on one host
+knows them; else by the NVML index the rank's ``Init`` line gives for its CUDA device
+(``cudaDev 0 nvmlDev 4``: NCCL 2.16 and later), as ``GPU<nvml>`` — nvidia-smi's numbering,
+right under any ``CUDA_VISIBLE_DEVICES``; else by CUDA device index as ``GPU<n>`` (right
+when ``CUDA_VISIBLE_DEVICES`` is unset and devices are in PCI order, as on servers of one
+GPU model). Only pairs on one host
 are mapped: P2P and SHM connections always are; NET ones only when both hosts are known and
 equal. A capture describes one machine: a multi-host log is mapped host by host onto it.
 """
@@ -104,8 +107,24 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
     return pairs, notes
 
 
+def _nvml_indexes(log: NcclLog) -> dict[tuple[int, int], int]:
+    """(rank, CUDA device) → NVML index, from the ranks' ``Init`` lines; a rank whose lines
+    disagree (several communicators numbering their ranks anew) is left out."""
+    seen: dict[tuple[int, int], set[int]] = {}
+    for init in log.inits:
+        if init.nvml is not None:
+            seen.setdefault((init.rank, init.device), set()).add(init.nvml)
+    return {key: next(iter(found)) for key, found in seen.items() if len(found) == 1}
+
+
+def _smi_index(nvml: dict[tuple[int, int], int], rank: int, device: int | None) -> int | None:
+    """nvidia-smi's number of ``rank``'s CUDA ``device``: its NVML index where the log gave
+    it, else the CUDA index itself."""
+    return None if device is None else nvml.get((rank, device), device)
+
+
 def _label(topo: Topology, device: int | None, busid: str | None) -> str | None:
-    """The topology's GPU label for a device index or bus id."""
+    """The topology's GPU label for a device index (nvidia-smi's) or bus id."""
     if busid is not None:
         for label, info in topo.gpus.items():
             if info.pci_bus_id and busid_from_nccl_form(info.pci_bus_id) == busid:
@@ -124,12 +143,17 @@ def busid_from_nccl_form(pci: str) -> str | None:
     return normalize_bus_id(pci)
 
 
-def _place(pairs: list[Pair], topo: Topology) -> None:
+def _place(pairs: list[Pair], topo: Topology, log: NcclLog) -> None:
+    nvml = _nvml_indexes(log)
     for pair in pairs:
         if pair.same_host is not True:
             continue
-        a = _label(topo, pair.from_device, pair.from_busid)
-        b = _label(topo, pair.to_device, pair.to_busid)
+        from_gpu = (
+            pair.from_device if pair.from_device is None else nvml.get((pair.from_rank, pair.from_device))
+        )
+        to_gpu = pair.to_device if pair.to_device is None else nvml.get((pair.to_rank, pair.to_device))
+        a = _label(topo, pair.from_device if from_gpu is None else from_gpu, pair.from_busid)
+        b = _label(topo, pair.to_device if to_gpu is None else to_gpu, pair.to_busid)
         if a is None or b is None or a == b:
             continue
         pair.offers = topo.cell(a, b)
@@ -141,7 +165,7 @@ def analyze(log: NcclLog, topology: Topology | None = None) -> TransportReport:
     """Pairs and findings from a read log, with the topology beside them when given."""
     pairs, notes = _pairs(log)
     if topology is not None:
-        _place(pairs, topology)
+        _place(pairs, topology, log)
     findings = transport_findings(log, pairs)
     return TransportReport(
         log=log,

@@ -58,7 +58,7 @@ _NET = re.compile(
 _VERSION = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+)")
 _INIT = re.compile(
     r"\bcomm 0x[0-9a-fA-F]+ rank (?P<rank>\d+) nranks (?P<nranks>\d+) cudaDev (?P<dev>\d+)"
-    r"(?: nvmlDev \d+)? busId (?P<busid>[0-9a-fA-F]+)"
+    r"(?: nvmlDev (?P<nvml>\d+))? busId (?P<busid>[0-9a-fA-F]+)"
 )
 _NNODES = re.compile(r"\brank (?P<rank>\d+) nRanks (?P<nranks>\d+) nNodes (?P<nnodes>\d+)")
 _ENV = re.compile(r"\b(?P<name>NCCL_[A-Z0-9_]+) set by environment to (?P<value>\S*?)\.?\s*$")
@@ -123,13 +123,16 @@ class Unread:
 
 @dataclass
 class RankInit:
-    """What a rank's ``Init`` line says: its CUDA device, bus id (nvidia-smi form) and host."""
+    """What a rank's ``Init`` line says: its CUDA device, bus id (nvidia-smi form) and host,
+    and (NCCL 2.16 and later) its NVML index — nvidia-smi's GPU number, which differs from
+    the CUDA device where ``CUDA_VISIBLE_DEVICES`` picks or reorders GPUs."""
 
     rank: int
     nranks: int
     device: int
     busid: str | None
     host: str | None
+    nvml: int | None = None
 
 
 @dataclass
@@ -366,12 +369,18 @@ def _read_facts(log: NcclLog, line: str, prefix: re.Match[str] | None) -> None:
         log.networks.append(match["name"])
     if "cudaDev" in line and (match := _INIT.search(line)):
         host = (prefix["host"] or None) if prefix is not None else None
+        nvml = int(match["nvml"]) if match["nvml"] is not None else None
         init = RankInit(
-            int(match["rank"]), int(match["nranks"]), int(match["dev"]), busid_from_nccl(match["busid"]), host
+            int(match["rank"]),
+            int(match["nranks"]),
+            int(match["dev"]),
+            busid_from_nccl(match["busid"]),
+            host,
+            nvml,
         )
         if all(
-            (i.rank, i.nranks, i.device, i.busid, i.host)
-            != (init.rank, init.nranks, init.device, init.busid, init.host)
+            (i.rank, i.nranks, i.device, i.busid, i.host, i.nvml)
+            != (init.rank, init.nranks, init.device, init.busid, init.host, init.nvml)
             for i in log.inits
         ):
             log.inits.append(init)

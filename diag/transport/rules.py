@@ -67,12 +67,41 @@ def _names(pairs: list[Pair]) -> str:
     return shown + (f" and {len(pairs) - 8} more" if len(pairs) > 8 else "")
 
 
+def _isolated(log: NcclLog, slow: list[Pair]) -> str | None:
+    """The log's own evidence that each process sees other GPUs: two ranks of the slow
+    pairs on one CUDA device number that their ``Init`` lines put on two GPUs (``cudaDev 0
+    nvmlDev 4`` and ``cudaDev 0 nvmlDev 5``: ``CUDA_VISIBLE_DEVICES`` set per process)."""
+    seen: dict[int, set[tuple[int, int]]] = {}
+    for init in log.inits:
+        if init.nvml is not None:
+            seen.setdefault(init.rank, set()).add((init.device, init.nvml))
+    ranks = sorted({r for p in slow for r in (p.from_rank, p.to_rank)})
+    known = {r: next(iter(seen[r])) for r in ranks if len(seen.get(r, ())) == 1}
+    by_device: dict[int, list[int]] = {}
+    for rank, (device, _) in known.items():
+        by_device.setdefault(device, []).append(rank)
+    for device, together in sorted(by_device.items()):
+        gpus = {known[r][1] for r in together}
+        if len(gpus) > 1:
+            shown = ", ".join(f"rank {r} GPU {known[r][1]}" for r in together[:4])
+            return (
+                f"the log shows each process seeing its own GPU: cudaDev {device} is {shown} "
+                "(CUDA_VISIBLE_DEVICES set per process), which keeps NCCL from opening the peer "
+                "(CUDA IPC needs both GPUs visible: set CUDA_VISIBLE_DEVICES alike for all ranks of a "
+                "host and pick the device by local rank)"
+            )
+    return None
+
+
 def _slow_intra(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     slow = [p for p in pairs if _fast(p) and (p.transport == "SHM" or p.transport.startswith("NET/"))]
     if not slow:
         return []
     env = _env_line(log, ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE"))
     causes = [f"set in the log: {env}"] if env else []
+    isolated = _isolated(log, slow)
+    if isolated:
+        causes.append(isolated)
     p2p_refused = [p for p in slow if p.p2p not in (None, "OK")]
     if p2p_refused:
         causes.append(
@@ -86,12 +115,15 @@ def _slow_intra(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     ]
     one_process = len({pid for p in slow for pid in p.pids}) == 1
     if not one_process:  # (one process drives all these GPUs: no container or visibility between them)
-        causes += [
+        causes.append(
             "the ranks run in separate containers or pods without a shared IPC namespace "
-            "(no CUDA IPC between them)",
-            "each process sees only its own GPU (CUDA_VISIBLE_DEVICES set per process), "
-            "so NCCL cannot open the peer",
-        ]
+            "(no CUDA IPC between them)"
+        )
+        if not isolated:
+            causes.append(
+                "each process sees only its own GPU (CUDA_VISIBLE_DEVICES set per process), "
+                "so NCCL cannot open the peer"
+            )
     kinds = sorted({p.transport for p in slow})
     return [
         Finding(
