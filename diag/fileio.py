@@ -59,11 +59,12 @@ def read_bounded(path: str | os.PathLike[str], what: str, limit: int = MAX_INPUT
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):  # (before fdopen, which refuses a folder itself)
+        os.close(fd)
+        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+        raise InputError(f"{what} {path}: a {kind}, not a file")
     with os.fdopen(fd, "rb") as stream:
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
-            kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
-            raise InputError(f"{what} {path}: a {kind}, not a file")
         try:
             data = stream.read(limit + 1)
         except OSError as exc:

@@ -114,3 +114,11 @@ def test_a_fifo_given_as_a_log_is_refused_without_waiting(tmp_path: Path) -> Non
     os.mkfifo(fifo)
     result = run("--from-log", str(fifo))
     assert result.exit_code == 2 and "a FIFO, not a file" in result.output
+
+
+def test_a_folder_given_as_a_log_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A folder was "internal error: IsADirectoryError", exit 1 (the bounded reader opened it
+    as a file before looking), in transport --from-log and report --nccl-log alike."""
+    result = run("--from-log", str(tmp_path))
+    assert result.exit_code == 2 and "a folder, not a file" in result.output
+    assert "internal error" not in result.output
