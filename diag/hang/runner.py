@@ -2,22 +2,18 @@
 
 It runs ``SCRIPT ARGS`` as ``python SCRIPT ARGS`` would (``sys.argv``, ``__main__``, the
 script's folder first on ``sys.path``), with the flight recorder on unless the user set its
-variables, and a :class:`~gpudiag.hang.watchdog.Watchdog` thread. A script that ends
+variables, and a :class:`~gpudiag.hang.watchdog.Watchdog` thread (both by :mod:`.arm`). A script that ends
 normally leaves nothing behind and exits with its own code.
 """
 
 from __future__ import annotations
 
-import os
 import runpy
 import sys
 import traceback
 from pathlib import Path
 
 from gpudiag.errors import InputError
-
-#: Set unless the user set them (the NCCL names too: older torch reads only those).
-RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
 
 
 def run_script(script: str, args: list[str], stall_s: float, out: Path) -> int:
@@ -27,12 +23,9 @@ def run_script(script: str, args: list[str], stall_s: float, out: Path) -> int:
         raise InputError(f"{script}: no such script")
     if out.exists() and not out.is_dir():
         raise InputError(f"-o {out}: not a folder")
-    for name, value in RECORDER.items():
-        os.environ.setdefault(name, value)
-    from gpudiag.hang.watchdog import Watchdog
+    from gpudiag.hang.arm import prepare, start
 
-    watchdog = Watchdog(stall_s, out)
-    watchdog.start()
+    watchdog = start(prepare(stall_s, out))
     sys.argv = [script, *args]
     sys.path.insert(0, str(path.resolve().parent))
     try:

@@ -90,6 +90,7 @@ class Watchdog(threading.Thread):
     def __init__(self, stall_s: float, out: Path, poll_s: float = 1.0, gather_s: float = 15.0):
         super().__init__(name="gpudiag-hang-watchdog", daemon=True)
         self.stall_s, self.out, self.poll_s, self.gather_s = stall_s, out, poll_s, gather_s
+        self.by = "gpudiag run"  # who says so on stderr ("gpudiag.watch" when armed from code)
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.store: Any = None
@@ -229,12 +230,12 @@ class Watchdog(threading.Thread):
             )
             (self.out / "verdict.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
             sys.stderr.write(
-                f"gpudiag run: a collective stalled for over {self.stall_s:g} s; dumps in {self.out}\n"
+                f"{self.by}: a collective stalled for over {self.stall_s:g} s; dumps in {self.out}\n"
             )
             from gpudiag.render.hang import text
 
             text(result, sys.stderr)
         except Exception as exc:  # the job ends either way
-            sys.stderr.write(f"gpudiag run: dumps in {self.out}; analysis failed: {exc}\n")
+            sys.stderr.write(f"{self.by}: dumps in {self.out}; analysis failed: {exc}\n")
         if self.store is not None:
             self.store.set(_DONE, "1")

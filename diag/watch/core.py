@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpudiag.errors import InputError
+from gpudiag.hang import arm
 from gpudiag.watch.ddp import (
     Agreement,
     CommState,
@@ -83,6 +84,8 @@ class Watcher:
         comm_hook: bool | None = None,
         max_skips: int = MAX_SKIPS,
         scale_floor: float = SCALE_FLOOR,
+        hang_timeout: float | None = None,
+        hang_dir: str | Path | None = None,
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
@@ -106,6 +109,8 @@ class Watcher:
                 "this model is watched already: close() the first watcher (or use it) — two would "
                 "hook every module twice"
             )
+        #: the hang watchdog (hang_timeout), checked here, started last, stopped by close()
+        self._hang = arm.for_watch(hang_timeout, hang_dir)
         self.model, self.mode, self.scaler = model, on_nonfinite, scaler
         _WATCHING[model] = weakref.ref(self)
         self._record_dir = record_dir
@@ -193,6 +198,8 @@ class Watcher:
         self.grad_path = "local"
         if self.ddp is not None:
             attach(self, comm_hook)
+        if self._hang is not None:
+            arm.start(self._hang)
 
     def _watch_each_gradient(self) -> None:
         """DDP's own all-reduce, each parameter's gradient summed as it arrives (a Python
@@ -412,6 +419,9 @@ class Watcher:
             if pending is not None and not self.done and not self.closed:
                 conclude(self, pending, [], [], raising=False)
         self._local = self._received_here = None
+        if self._hang is not None:
+            arm.stop(self._hang)
+            self._hang = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -446,6 +456,8 @@ def watch(
     comm_hook: bool | None = None,
     max_skips: int = MAX_SKIPS,
     scale_floor: float = SCALE_FLOOR,
+    hang_timeout: float | None = None,
+    hang_dir: str | Path | None = None,
 ) -> Watcher:
     """Watch ``model`` (a module, ``DistributedDataParallel``, ``nn.DataParallel``,
     ``VirtualDataParallel`` or ``torch.compile``\\ d) for the first non-finite value.
@@ -467,6 +479,8 @@ def watch(
     the watcher's comm hook; True: always the comm hook (torch's ``allreduce_hook`` plus
     each bucket's norm); False: never a comm hook (with bucket views, a hook per
     parameter). See docs/watch.md: cost.
+    ``hang_timeout`` (s): also arm ``gpudiag run``'s hang watchdog, its dumps into
+    ``hang_dir`` (default ``./gpudiag-hang``); ``close()`` stops it (docs/hang.md).
 
     Create it after wrapping the model in DDP and before the first backward."""
     return Watcher(
@@ -479,4 +493,6 @@ def watch(
         comm_hook=comm_hook,
         max_skips=max_skips,
         scale_floor=scale_floor,
+        hang_timeout=hang_timeout,
+        hang_dir=hang_dir,
     )

@@ -1,0 +1,122 @@
+"""Arming the hang watchdog in this process: the one way ``gpudiag run`` and
+``gpudiag.watch(model, hang_timeout=…)`` start it (docs/hang.md).
+
+:func:`prepare` checks the request and makes sure the flight recorder will record: before
+``init_process_group`` it sets :data:`RECORDER` (unless the user set those variables);
+once a process group exists it is too late to turn the recorder on (torch reads the buffer
+size when the group is made), so a recorder that records nothing is refused with an
+:class:`~gpudiag.errors.InputError` naming the variable, rather than a watchdog that can
+see nothing. :func:`start` starts the :class:`~gpudiag.hang.watchdog.Watchdog` thread and
+stops it at process exit; :func:`stop` stops it (``watcher.close()``). A watchdog that
+never fires writes nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from gpudiag.errors import InputError
+from gpudiag.hang.watchdog import Watchdog
+
+#: Set unless the user set them (the NCCL names too: older torch reads only those).
+RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+#: Where the dumps go unless told (``gpudiag run -o``, ``gpudiag.watch(hang_dir=…)``).
+DEFAULT_DIR = "gpudiag-hang"
+#: Seconds :func:`stop` waits for the thread to end (it polls every second).
+STOP_WAIT_S = 5.0
+
+
+def _group() -> Any:
+    """``torch.distributed`` when a default process group exists, else None."""
+    try:
+        import torch.distributed as dist
+    except Exception:
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def records() -> bool:
+    """Whether this process's flight recorder records (a group exists): a recorder that is
+    on lists the groups it knows in ``pg_config`` from the moment one is made; an off one
+    (buffer size 0) lists none, and a torch without the dump function records nothing."""
+    import json
+
+    try:
+        raw = Watchdog._dump(json_format=True, collectives=False)
+        record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    except Exception:
+        return False
+    return isinstance(record, dict) and bool(record.get("pg_config") or record.get("pg_status"))
+
+
+def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") -> Watchdog:
+    """A :class:`Watchdog` for a collective pending longer than ``stall_s`` seconds, its
+    dumps into folder ``out`` (None: :data:`DEFAULT_DIR`, relative to the working folder),
+    not started yet; ``by`` is who it says found the stall. The recorder is turned on here
+    when no process group exists yet; when one exists and its recorder is off: InputError."""
+    if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or not 0 < stall_s < math.inf:
+        raise InputError(f"hang_timeout={stall_s!r}: expected a number of seconds above 0")
+    folder = Path(DEFAULT_DIR if out is None else out)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: not a folder (where the hang dumps would go)")
+    dist = _group()
+    if dist is None:
+        for name, value in RECORDER.items():
+            os.environ.setdefault(name, value)
+    elif not records():
+        names = " or ".join(RECORDER)
+        raise InputError(
+            "the hang watchdog needs the flight recorder, which is off in this process "
+            f"(the process group exists already): set {names} (e.g. =2000) in the environment "
+            "before init_process_group, or launch with `torchrun … -m gpudiag run SCRIPT`"
+        )
+    watchdog = Watchdog(float(stall_s), folder)
+    watchdog.by = by
+    if dist is not None:  # (launchers other than torchrun set no RANK)
+        watchdog.rank, watchdog.world_size = dist.get_rank(), dist.get_world_size()
+    return watchdog
+
+
+def for_watch(hang_timeout: float | None, hang_dir: str | Path | None) -> Watchdog | None:
+    """The watchdog ``gpudiag.watch(hang_timeout=…, hang_dir=…)`` asks for, not started
+    (None: none asked for); :func:`prepare`'s checks."""
+    if hang_timeout is None:
+        if hang_dir is not None:
+            raise InputError("hang_dir without hang_timeout: no hang watchdog would write there")
+        return None
+    return prepare(hang_timeout, hang_dir, by="gpudiag.watch")
+
+
+#: The watchdogs started and not stopped yet (stopped at process exit).
+_ARMED: set[Watchdog] = set()
+
+
+def start(watchdog: Watchdog) -> Watchdog:
+    """Start ``watchdog``'s thread; it is stopped at process exit unless :func:`stop` is first."""
+    if not _ARMED:
+        atexit.register(_stop_all)
+    _ARMED.add(watchdog)
+    watchdog.start()
+    return watchdog
+
+
+def _stop_all() -> None:
+    for watchdog in list(_ARMED):
+        stop(watchdog)
+
+
+def stop(watchdog: Watchdog) -> None:
+    """End ``watchdog``'s thread (at its next poll) and drop its store connection. A
+    watchdog already ending the job (dumping) is left to finish that."""
+    _ARMED.discard(watchdog)
+    if not _ARMED:
+        atexit.unregister(_stop_all)
+    watchdog.stopping.set()
+    if watchdog.is_alive():
+        watchdog.join(timeout=STOP_WAIT_S)
+    if not watchdog.is_alive():
+        watchdog.store = None

@@ -1,0 +1,148 @@
+"""``gpudiag.watch(model, hang_timeout=…)``: the hang watchdog of ``gpudiag run`` armed from
+code, live under torchrun (gloo on the CPU) — a rank that skips one all_reduce ends the job
+with the verdict; a healthy job leaves no file and no thread; a recorder that is off is
+refused (docs/hang.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import gpudiag
+from gpudiag.errors import InputError
+from tests.test_hang_run import _port
+
+WATCHED = textwrap.dedent(
+    """\
+    import threading
+    import torch
+    import torch.distributed as dist
+    import gpudiag
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    watcher = gpudiag.watch(model, hang_timeout=2, hang_dir="hang")
+    x = torch.ones(4)
+    for step in range(3):
+        model(torch.ones(1, 4)).sum().backward()
+        if rank == 1 and step == 2:
+            continue  # rank 1 skips one all_reduce
+        dist.all_reduce(x)
+    dist.barrier()
+    watcher.close()
+    print("rank", rank, "threads", sorted(t.name for t in threading.enumerate()), flush=True)
+    """
+)
+
+
+def _torchrun(
+    tmp_path: Path, script: str, ranks: int, **env: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    (tmp_path / "train.py").write_text(script)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    argv += ["--master-port", str(_port()), "train.py"]
+    start = time.monotonic()
+    done = subprocess.run(
+        argv,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+    return done, time.monotonic() - start
+
+
+def test_a_skipped_all_reduce_under_watch_ends_the_job_and_names_the_rank(tmp_path: Path) -> None:
+    done, took = _torchrun(tmp_path, WATCHED, 3)
+    assert done.returncode != 0 and took < 60, done.stderr[-3000:]
+    n = next(i + 1 for i, text in enumerate(WATCHED.splitlines()) if "dist.all_reduce(x)" in text)
+    barrier = next(i + 1 for i, text in enumerate(WATCHED.splitlines()) if "dist.barrier()" in text)
+    said = f"while ranks 0 and 2 are in all_reduce (train.py:{n})"
+    assert said in done.stderr and "gpudiag.watch: a collective stalled for over 2 s" in done.stderr, (
+        done.stderr[-3000:]
+    )
+    assert f"rank 1 called barrier (train.py:{barrier}) as default_pg collective #" in done.stderr
+    verdict = json.loads((tmp_path / "hang" / "verdict.json").read_text())
+    assert verdict["verdict"] == "stuck" and verdict["culprit_ranks"] == [1]
+    assert verdict["collective"]["op"] == "all_reduce" and verdict["collective"]["ranks_in"] == [0, 2]
+    assert verdict["missing_ranks"] == []
+    dumps = sorted(p.name for p in (tmp_path / "hang").iterdir() if p.is_file())
+    assert dumps == ["fr_rank0.pkl", "fr_rank1.pkl", "fr_rank2.pkl", "verdict.json"]
+    assert sorted(p.name for p in (tmp_path / "hang" / "stacks").iterdir()) == [
+        f"rank{r}.json" for r in range(3)
+    ]
+    assert "threads" not in done.stdout  # no rank went on past the hang
+
+
+def test_a_healthy_watched_job_leaves_no_file_and_no_thread(tmp_path: Path) -> None:
+    done, _ = _torchrun(tmp_path, WATCHED.replace("rank == 1 and step == 2", "False"), 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
+    lines = [line for line in done.stdout.splitlines() if "threads" in line]
+    assert len(lines) == 2 and all("gpudiag-hang-watchdog" not in line for line in lines), lines
+
+
+OFF = textwrap.dedent(
+    """\
+    import torch
+    import torch.distributed as dist
+    import gpudiag
+    from gpudiag.errors import InputError
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    try:
+        gpudiag.watch(model, hang_timeout=2)
+    except InputError as exc:
+        print("refused:", exc)
+    """
+)
+
+
+def test_a_recorder_turned_off_before_the_group_is_refused_by_name(tmp_path: Path) -> None:
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    script = OFF.replace("{port}", str(_port()))
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused:" in done.stdout and "TORCH_FR_BUFFER_SIZE" in done.stdout, done.stdout
+    assert "before init_process_group" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def _watchdogs() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "gpudiag-hang-watchdog"]
+
+
+def test_close_stops_the_watchdog_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.setenv(name, "2000")  # (no group here: the watchdog would set them)
+    before = _watchdogs()
+    watcher = gpudiag.watch(nn.Linear(3, 1), hang_timeout=30, hang_dir=tmp_path / "hang")
+    assert len(_watchdogs()) == len(before) + 1
+    watcher.close()
+    assert _watchdogs() == before and not (tmp_path / "hang").exists()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "5"])
+def test_a_bad_hang_timeout_is_refused(timeout: object) -> None:
+    with pytest.raises(InputError, match="hang_timeout"):
+        gpudiag.watch(nn.Linear(3, 1), hang_timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_hang_dir_without_hang_timeout_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="hang_dir without hang_timeout"):
+        gpudiag.watch(nn.Linear(3, 1), hang_dir=tmp_path)
