@@ -262,19 +262,32 @@ def _transport_headline(report: Any) -> str:
 
 
 def _plan_hang(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
-    return None, (
-        "needs the job's flight-recorder dumps: gpudiag hang PATH… (or run the job under "
-        "`torchrun … -m gpudiag run SCRIPT`, which writes them when a collective stalls)"
-    )
+    from gpudiag.hang.bundled import FOLDER, dump_names, world_size
+
+    if not dump_names(here.files):
+        return None, (
+            "needs the job's flight-recorder dumps: gpudiag report --hang DIR, or gpudiag hang PATH… "
+            "(run the job under `torchrun … -m gpudiag run SCRIPT`, which writes them when a "
+            "collective stalls)"
+        )
+    config: dict[str, Any] = {"dumps": FOLDER}
+    world = world_size(here.files)
+    if world is not None:
+        config["world_size"] = world
+    return config, ""
 
 
 def _run_hang(config: dict[str, Any], here: Here) -> CheckResult:
-    from gpudiag.hang.analysis import analyse
-    from gpudiag.hang.reader import read_dumps
-    from gpudiag.hang.result import judge
+    from gpudiag.hang.bundled import judge_files
 
-    result: CheckResult = judge(analyse(read_dumps(list(config["paths"])), config.get("world_size")))
+    result: CheckResult = judge_files(here.files, config.get("world_size"), config["dumps"])
     return result
+
+
+def _compare_hang(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """The verdict's fields that differ (the rank, the collective, who is stuck or missing)."""
+    keys = ("verdict", "culprit_ranks", "stuck_ranks", "missing_ranks", "collective", "lines")
+    return [f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in keys if there.get(k) != here.get(k)]
 
 
 def _warns(findings: list[Finding]) -> bool:
@@ -377,7 +390,10 @@ registry.register(
         _plan_hang,
         _run_hang,
         lambda result: str(result.summary),
-        # its inputs are the job's dump files: never in a bundle, so a bundle can set nothing
+        config_fields=_fields("hang"),
+        required=("dumps",),
+        compare=_compare_hang,
+        # its input is a hang folder (gpudiag report --hang DIR), bundled under hang/
         in_suite=False,
     )
 )

@@ -73,14 +73,16 @@ class Check:
 @dataclass
 class Here:
     """What this machine has: CUDA GPUs torch sees, whether NVML answers, and the machine
-    (a machine file or capture) to lay virtual devices out like, if one was given."""
+    (a machine file or capture) to lay virtual devices out like, if one was given; and the
+    bundle's input files (``files``)."""
 
     cuda_gpus: int
     nvml: str | None  # None when NVML works, else why not
     machine: Any = None  # a Topology
     machine_source: str | None = None
-    #: files a configuration names by their path in a bundle: the NCCL logs given to
-    #: ``report --nccl-log`` (``nccl/…``, as bundled), or a bundle's files on replay
+    #: files the checks read from the bundle, by their path in it: the NCCL logs given to
+    #: ``report --nccl-log`` (``nccl/…``, as bundled), a hang folder ``report --hang DIR``
+    #: read (``hang/…``), or a replayed bundle's files
     files: Mapping[str, bytes] = field(default_factory=dict)
 
     @property

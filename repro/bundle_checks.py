@@ -37,6 +37,8 @@ def check_configs(bundle: Bundle) -> None:
                     raise InputError(f"{bundle.path}: {where}: {problem}")
                 if key == "machine" and value is not None and value not in bundle.files:
                     raise InputError(f"{bundle.path}: {where} names {value}, which the bundle lacks")
+                if key == "dumps" and not any(n.startswith(f"{value}/") for n in bundle.files):
+                    raise InputError(f"{bundle.path}: {where} names {value}/, which the bundle lacks")
         result = check.get("result")
         if isinstance(result, dict) and name in RESULT_LISTS:
             problem = result_problem(name, result)

@@ -16,7 +16,10 @@ A bundle is a folder, or a ``.zip`` when its name ends so, holding:
   (:mod:`gpudiag.transport.bundled`); ``nccl/machine.json``: the NVML topology a live run's
   pairs were placed on;
 - ``watch/watch-rank<R>.json``: what ``gpudiag.watch`` recorded of the user's own training
-  (schema ``gpudiag.watch/1``, from ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``).
+  (schema ``gpudiag.watch/1``, from ``$GPUDIAG_WATCH_DIR`` or ``./gpudiag-watch``);
+- ``hang/``: with ``--hang DIR``, the job's flight-recorder dumps as JSON
+  (``fr_rank<R>.json``), the watchdog's ``stacks/rank<R>.json`` and ``verdict.json``
+  (:mod:`gpudiag.hang.bundled`); the ``hang`` check's verdict is in ``report.json``.
 
 Every byte of every file passes through :class:`~gpudiag.redact.Redactor` first, and
 the bundle appears at its path only when complete (written beside it, then renamed).
@@ -212,6 +215,7 @@ def run_report(
 
     # gpudiag.watch's records of the user's own training ($GPUDIAG_WATCH_DIR or ./gpudiag-watch)
     files.update({f"watch/{name}": data for name, data in read_records().items()})
+    files.update(here.files)  # a hang folder's dumps, stacks and verdict (gpudiag report --hang)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Report(runs, here, created, argv or ["gpudiag", *sys.argv[1:]], anonymize, files)
 

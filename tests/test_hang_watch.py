@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from torch import nn
 
 import gpudiag
+from gpudiag.cli import cli
 from gpudiag.errors import InputError
 from tests.test_hang_run import _port
 
@@ -84,6 +86,29 @@ def test_a_skipped_all_reduce_under_watch_ends_the_job_and_names_the_rank(tmp_pa
         f"rank{r}.json" for r in range(3)
     ]
     assert "threads" not in done.stdout  # no rank went on past the hang
+    # the folder as gpudiag report bundles it, and replay's verdict from the bundle alone
+    bundle = tmp_path / "bundle"
+    made = CliRunner().invoke(
+        cli, ["report", "--checks", "hang", "--hang", str(tmp_path / "hang"), "-o", str(bundle)]
+    )
+    assert made.exit_code == 1, made.output
+    assert sorted(
+        p.relative_to(bundle / "hang").as_posix() for p in (bundle / "hang").rglob("*") if p.is_file()
+    ) == [
+        "fr_rank0.json",
+        "fr_rank1.json",
+        "fr_rank2.json",
+        "stacks/rank0.json",
+        "stacks/rank1.json",
+        "stacks/rank2.json",
+        "verdict.json",
+    ]
+    check = next(c for c in json.loads((bundle / "report.json").read_text())["checks"] if c["name"] == "hang")
+    assert check["config"] == {"dumps": "hang", "world_size": 3}
+    for key in ("verdict", "culprit_ranks", "collective", "lines"):
+        assert check["result"][key] == verdict[key], key
+    replayed = CliRunner().invoke(cli, ["replay", str(bundle), "--format", "json"])
+    assert replayed.exit_code == 0 and json.loads(replayed.output)["match"], replayed.output
 
 
 def test_a_healthy_watched_job_leaves_no_file_and_no_thread(tmp_path: Path) -> None:

@@ -156,10 +156,14 @@ def test_hang_came_in_through_the_registry() -> None:
     done = CliRunner().invoke(cli, ["doctor", "--checks", "hang", "--no-bundle", "--format", "json"])
     assert done.exit_code == 0, done.output
     (run,) = json.loads(done.stdout)["checks"]
-    assert run["status"] == "skipped" and "gpudiag hang PATH" in run["headline"]
-    assert isinstance(
-        registry.get("hang").run({"paths": [str(FR_GLOO / "skip" / "pickle")]}, None), CheckResult
-    )
+    assert run["status"] == "skipped" and "gpudiag report --hang DIR" in run["headline"]
+    from gpudiag.hang.bundled import collect
+
+    here = registry.Here(0, "no NVML (test)", files=collect(str(FR_GLOO / "skip" / "pickle")))
+    config, _ = registry.get("hang").plan(here, Request())
+    assert config == {"dumps": "hang"}
+    result = registry.get("hang").run(config, here)
+    assert isinstance(result, CheckResult) and result.to_json()["culprit_ranks"] == [2]
 
 
 FR_GLOO = Path(__file__).resolve().parent / "data" / "fr" / "gloo"

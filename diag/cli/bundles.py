@@ -58,7 +58,12 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
         from gpudiag.parsers import parse_pairs
 
         parse_pairs(options["pairs"], here.gpus)
-    names = options["checks"] or check_names(suite_only=True)
+    names = tuple(options["checks"] or check_names(suite_only=True))
+    if options.get("hang"):  # a hang folder: bundled under hang/, judged by the hang check
+        from gpudiag.hang.bundled import collect
+
+        here.files.update(collect(options["hang"]))
+        names += () if "hang" in names else ("hang",)
     report = run_report(
         here,
         names,
@@ -84,12 +89,19 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
 
 @cli.command()
 @suite_options
+@click.option(
+    "--hang",
+    metavar="DIR",
+    help="A hang folder (what gpudiag run -o DIR or gpudiag.watch(hang_timeout=) wrote, or "
+    "flight-recorder dumps): bundled, and judged by the hang check.",
+)
 @click.pass_context
 def report(ctx: click.Context, **options: Any) -> None:
     """Run the checks and write a bug-report bundle a maintainer can reproduce.
 
     The bundle (a folder, or a .zip) holds report.json, REPORT.md to paste into an issue,
-    repro.py (torch only) for each failing check, traces and per-rank logs; secrets never
+    repro.py (torch only) for each failing check, traces and per-rank logs, and with
+    --hang DIR the job's flight-recorder dumps (as JSON), stacks and verdict; secrets never
     reach it. Exit 1 when a check fails.
     """
     ctx.exit(_run_suite("report", options).exit_code())

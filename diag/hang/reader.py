@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,14 @@ def load_tree(path: Path) -> Any:
         data = path.read_bytes()
     except OSError as exc:
         raise InputError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
-    source = str(path)
+    return tree_of(data, str(path))
+
+
+def tree_of(data: bytes, source: str) -> Any:
+    """The object a dump's bytes hold, pickle or JSON (``source`` names it in errors)."""
+    path = source
+    if len(data) > MAX_BYTES:
+        raise InputError(f"{path}: {len(data)} bytes, more than a flight-recorder dump holds ({MAX_BYTES})")
     head = data.lstrip()[:1]
     if head in (b"{", b"["):
         try:
@@ -290,6 +298,17 @@ def parse_dump(tree: Any, path: Path, rank: int) -> Dump:
             pg_ranks[key] = _ranks(value.get("ranks"))
     wrapped = bool(entries) and entries[0].record_id > 0
     return Dump(rank, str(path), version, entries, last_completed, pg_ranks, wrapped)
+
+
+def dumps_in(files: Mapping[str, bytes]) -> list[Dump]:
+    """Every dump held in memory (a bundle's), by file name (the rank last in it), sorted by rank."""
+    dumps: dict[int, Dump] = {}
+    for name, data in sorted(files.items()):
+        rank = rank_of(Path(name))
+        if rank in dumps:
+            raise InputError(f"{name}: a second dump of rank {rank} (the first: {dumps[rank].path})")
+        dumps[rank] = parse_dump(tree_of(data, name), Path(name), rank)
+    return [dumps[r] for r in sorted(dumps)]
 
 
 def read_dumps(paths: list[str]) -> list[Dump]:

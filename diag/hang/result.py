@@ -4,6 +4,7 @@ and Markdown: :mod:`gpudiag.render.hang`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,29 +113,47 @@ class HangResult:
         return [self._rank_row(r) for r in range(self.analysis.world_size)]
 
 
+#: Largest stacks file read (``stacks/rank<R>.json``), in bytes.
+MAX_STACKS_BYTES = 16 * 1024 * 1024
+
+
+def stack_frame(data: bytes) -> Frame | None:
+    """The user's line in the main thread of a stacks file's bytes (``gpudiag run`` wrote
+    it); None when it holds none or is not one."""
+    try:
+        stacks = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(stacks, dict):
+        return None
+    if stacks.get("_finished") is True:
+        return Frame("(the end of the script)", 0, "")
+    return user_frames(frames_of(stacks.get("MainThread")))[0]
+
+
 def stack_line(stacks_dir: Path | None, rank: int) -> Frame | None:
     """The user's line in the main thread's stack that ``gpudiag run`` wrote for ``rank``
     (``stacks/rank<R>.json``); None without one."""
     path = stacks_dir / f"rank{rank}.json" if stacks_dir else None
     try:
-        if path is None or not path.is_file() or path.stat().st_size > 16 * 1024 * 1024:
+        if path is None or not path.is_file() or path.stat().st_size > MAX_STACKS_BYTES:
             return None
-        stacks = json.loads(path.read_text())
-        if not isinstance(stacks, dict):
-            return None
-        if stacks.get("_finished") is True:
-            return Frame("(the end of the script)", 0, "")
-        return user_frames(frames_of(stacks.get("MainThread")))[0]
-    except (OSError, ValueError, RecursionError):
+        return stack_frame(path.read_bytes())
+    except OSError:
         return None
 
 
-def judge(analysis: Analysis, stacks_dir: Path | None = None) -> HangResult:
+def judge(
+    analysis: Analysis, stacks_dir: Path | None = None, stacks: Mapping[int, bytes] | None = None
+) -> HangResult:
     """The verdict, its one-paragraph summary and the findings of an :class:`Analysis`;
     ``stacks_dir`` holds the Python stacks ``gpudiag run`` wrote (where a rank outside any
-    collective is)."""
+    collective is), or ``stacks`` holds their bytes by rank (a bundle's)."""
     a = analysis
-    a.stacks = {r: f for r in a.dumps if (f := stack_line(stacks_dir, r)) is not None}
+    if stacks is not None:
+        a.stacks = {r: f for r in a.dumps if r in stacks and (f := stack_frame(stacks[r])) is not None}
+    else:
+        a.stacks = {r: f for r in a.dumps if (f := stack_line(stacks_dir, r)) is not None}
     findings: list[Finding] = []
     roots = a.roots
     root = roots[0] if roots else None
