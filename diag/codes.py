@@ -197,6 +197,12 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
         "hang",
         "a rank's flight-recorder ring buffer dropped its oldest entries",
     ),
+    (
+        "hang-p2p-unrecorded",
+        "info",
+        "hang",
+        "gloo ran operations its flight recorder lists no entry for (send/recv)",
+    ),
 )
 
 #: Every finding code, by name.

@@ -116,6 +116,25 @@ def test_mismatched_shapes_that_completed_are_a_warning_not_a_hang(fmt: str) -> 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rank_waiting_in_a_recv_whose_peer_never_sends_is_not_called_healthy(fmt: str) -> None:
+    # gloo records no send/recv, but they advance the op_ids pg_status counts in: rank 0's
+    # pg_status says op 4 completed while its third all_reduce is op 5 (collective #3)
+    code, out = run(str(GLOO / "p2p" / fmt))
+    assert code == 1 and out["verdict"] == "stuck", out["summary"]
+    assert out["culprit_ranks"] == [1] and out["stuck_ranks"] == [0, 2]
+    assert out["collective"] == {
+        "group": "default_pg",
+        "seq": 3,
+        "op": "all_reduce",
+        "ranks_in": [0, 2],
+        "never_entered": [1],
+    }
+    codes = [f["code"] for f in out["findings"]]
+    assert codes == ["hang-never-entered", "hang-p2p-unrecorded"]
+    assert out["findings"][1]["evidence"]["ranks"] == {"0": 2, "1": 2}  # two sends, two recvs each
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_healthy_run_says_so(fmt: str) -> None:
     code, out = run(str(GLOO / "healthy" / fmt))
     assert (code, out["verdict"], out["culprit_ranks"], out["findings"]) == (0, "healthy", [], [])

@@ -69,6 +69,8 @@ class Analysis:
     all_entered: list[tuple[str, int, str]] = field(default_factory=list)
     #: rank → the user's line in its main thread's stack (``gpudiag run`` wrote it), if any
     stacks: dict[int, Frame] = field(default_factory=dict)
+    #: rank → operations its gloo groups ran that no entry lists (:func:`unrecorded`)
+    unrecorded: dict[int, int] = field(default_factory=dict)
 
     @property
     def roots(self) -> list[GroupHang]:
@@ -104,7 +106,7 @@ def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
             names.setdefault(e.group, e.desc)
             members.setdefault(e.group, set()).add(d.rank)
             seqs.setdefault(e.group, {}).setdefault(d.rank, {})[e.seq] = e
-            if e.completed or d.last_completed.get(e.pg_id, -1) >= e.seq:
+            if e.completed or d.last_completed.get(e.pg_id, -1) >= e.status_id:
                 done.setdefault(e.group, set()).add(e.seq)
         for name, ranks in d.pg_ranks.items():
             if name and name in members:
@@ -120,6 +122,7 @@ def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
 
     hangs: list[GroupHang] = []
     result = Analysis(ws, by_rank, hangs, blocked, sorted(set(range(ws)) - set(by_rank)))
+    result.unrecorded = {d.rank: n for d in dumps if (n := unrecorded(d))}
     for name in sorted(seqs, key=lambda n: (len(members[n]), n)):
         recorded = seqs[name]
         completed = done.get(name, set())
@@ -158,6 +161,22 @@ def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
     _causes(result)
     result.hangs.sort(key=lambda h: (h.cause is not None, len(h.members), h.group))
     return result
+
+
+def unrecorded(dump: Dump) -> int:
+    """How many operations ``dump``'s gloo groups ran that it has no entry for: the gaps in
+    each group's op_ids (from 1, or from the oldest entry kept when the buffer wrapped).
+    gloo (torch 2.14) records no send or recv, but each takes an op_id."""
+    ids: dict[int, list[int]] = {}
+    for e in dump.entries:
+        if e.backend == "gloo" and e.op_id is not None and not e.is_p2p:
+            ids.setdefault(e.pg_id, []).append(e.op_id)
+    missing = 0
+    for found in ids.values():
+        found = sorted(set(found))
+        start = found[0] if dump.wrapped else 1
+        missing += max(0, found[-1] - start + 1 - len(found))
+    return missing
 
 
 def _causes(result: Analysis) -> None:

@@ -71,6 +71,18 @@ class Entry:
     state: str
     completed: bool
     frames: tuple[Frame, ...] = ()
+    #: the group's running count of every operation (``op_id``; None when absent), and the
+    #: backend (``gloo`` of ``gloo:all_reduce``): gloo's ``pg_status`` counts in op_ids,
+    #: which a send or recv advances too — gloo records no send or recv as an entry
+    op_id: int | None = None
+    backend: str = ""
+
+    @property
+    def status_id(self) -> int:
+        """The number ``pg_status``'s last completed one is compared with: the op_id on gloo
+        (torch 2.14: without point-to-point it equals ``seq``; with them, only it matches),
+        else ``seq``."""
+        return self.op_id if self.backend == "gloo" and self.op_id is not None else self.seq
 
 
 @dataclass
@@ -250,6 +262,7 @@ def _entry(raw: Any, path: Path, index: int) -> Entry:
     is_p2p = bool(raw.get("is_p2p", False))
     seq = _int(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"), f"{where}'s sequence number", path)
     state = str(raw.get("state", ""))
+    op_id = raw.get("op_id")
     return Entry(
         record_id=_int(raw.get("record_id", index), f"{where}'s record_id", path),
         group=group[0],
@@ -265,6 +278,8 @@ def _entry(raw: Any, path: Path, index: int) -> Entry:
         state=state,
         completed=state == "completed" or raw.get("retired") is True,
         frames=frames_of(raw.get("frames")),
+        op_id=op_id if isinstance(op_id, int) and not isinstance(op_id, bool) else None,
+        backend=name.split(":", 1)[0] if ":" in name else "",
     )
 
 

@@ -220,6 +220,19 @@ def judge(
                 fix="make every rank pass tensors of the same shape and dtype",
             )
         )
+    if root is not None and a.unrecorded:
+        ran = ", ".join(f"rank {r}: {n}" for r, n in sorted(a.unrecorded.items()))
+        findings.append(
+            Finding(
+                "hang-p2p-unrecorded",
+                "info",
+                f"operations the gloo flight recorder lists no entry for ({ran}): point-to-point "
+                "send/recv, which gloo records only as a number; a rank outside any collective may "
+                "be waiting in a recv whose peer never sends",
+                {"ranks": {str(r): n for r, n in sorted(a.unrecorded.items())}},
+                fix="see the stacks (gpudiag run writes them) or py-spy dump each rank",
+            )
+        )
     wrapped = sorted(r for r, d in a.dumps.items() if d.wrapped)
     if wrapped:
         findings.append(

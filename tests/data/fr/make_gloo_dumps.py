@@ -160,6 +160,20 @@ def make(name: str, root: Path) -> None:
     print(name, sorted(str(p.relative_to(root)) for p in out.rglob("*") if p.is_file()))
 
 
+def p2p(rank: int, ws: int, dist, torch) -> None:  # rank 0 skips its last send; rank 1 waits in recv
+    # (below the others, so their stored dumps' lines stay this file's)
+    x = torch.ones(4)
+    for step in range(3):
+        if rank == 0 and step < 2:
+            dist.send(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+        dist.all_reduce(x)
+
+
+SCENARIOS["p2p"] = (p2p, 3, 100)  # gloo records no send/recv entry; their op_ids show
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     for name in sys.argv[2:] or list(SCENARIOS):
