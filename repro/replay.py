@@ -104,8 +104,8 @@ def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> 
         here = Here.detect()
         here.machine = bundle.machine()
         here.machine_source = f"{bundle.path}/machine.json" if here.machine is not None else None
-    if not here.files:  # (what the recorded configurations name inside the bundle: its NCCL logs, its hang dumps)
-        here = dataclasses.replace(here, files=bundle.files)
+    # (what the recorded configurations name inside the bundle: its NCCL logs, its hang dumps)
+    here = dataclasses.replace(here, files=bundle.files)
     replays = []
     env_here: CheckRun | None = None
     for recorded in recorded_checks:

@@ -119,3 +119,16 @@ def test_without_hang_the_check_says_what_it_needs(tmp_path: Path) -> None:
     assert done.exit_code == 0, done.output
     assert "gpudiag report --hang DIR" in hang_check(tmp_path / "b")["headline"]
     assert not any(n.startswith("hang/") for n in files_of(tmp_path / "b"))
+
+
+def test_replay_given_a_machine_still_reads_the_bundles_dumps(tmp_path: Path) -> None:
+    from gpudiag.checks.suite import Here
+    from gpudiag.repro.bundle import read_bundle
+    from gpudiag.repro.replay import replay as run_replay
+
+    report(GLOO / "p2p" / "pickle", tmp_path / "bundle")
+    here = Here(cuda_gpus=0, nvml="no NVML here (test)")
+    result = run_replay(read_bundle(tmp_path / "bundle"), here)
+    (hang,) = [c for c in result.checks if c.name == "hang"]
+    assert result.match and hang.compared and hang.here is not None and hang.here.status == "fail"
+    assert here.files == {}  # (the caller's Here is not changed)
