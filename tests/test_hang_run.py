@@ -73,6 +73,37 @@ def test_a_skipped_all_reduce_ends_the_job_naming_the_rank_the_collective_and_th
     ]
 
 
+RECV = textwrap.dedent(
+    """\
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    x = torch.ones(4)
+    for step in range(3):
+        if rank == 0 and step < 2:
+            dist.send(x, 1)  # rank 0 skips its third send
+        elif rank == 1:
+            dist.recv(x, 0)
+        dist.all_reduce(x)
+    """
+)
+
+
+def test_a_rank_waiting_in_a_recv_is_named_with_its_line(tmp_path: Path) -> None:
+    # gloo records no recv: the stacks name its line, and pg_status is read by op_id (by
+    # sequence number, rank 0's two sends made its pending all_reduce look completed)
+    done, _ = _torchrun(tmp_path, RECV, 3, "--stall", "3", "-o", "hang")
+    assert done.returncode != 0, done.stderr[-3000:]
+    recv = next(i + 1 for i, text in enumerate(RECV.splitlines()) if "dist.recv(x, 0)" in text)
+    assert "rank 1 never entered default_pg collective #3" in done.stderr, done.stderr[-3000:]
+    assert f"its Python stack is at train.py:{recv}" in done.stderr
+    verdict = json.loads((tmp_path / "hang" / "verdict.json").read_text())
+    assert verdict["verdict"] == "stuck" and verdict["culprit_ranks"] == [1]
+    assert [f["code"] for f in verdict["findings"]] == ["hang-never-entered", "hang-p2p-unrecorded"]
+
+
 def test_a_healthy_script_exits_with_its_code_and_leaves_nothing(tmp_path: Path) -> None:
     healthy = SKIPS.replace("rank == 1 and step == 2", "False")
     done, _ = _torchrun(tmp_path, healthy, 2, "--stall", "5", "-o", "hang")
