@@ -171,3 +171,32 @@ def test_a_bad_hang_timeout_is_refused(timeout: object) -> None:
 def test_hang_dir_without_hang_timeout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="hang_dir without hang_timeout"):
         gpudiag.watch(nn.Linear(3, 1), hang_dir=tmp_path)
+
+
+EXITS = textwrap.dedent(
+    """\
+    import torch
+    import torch.distributed as dist
+    import gpudiag
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    watcher = gpudiag.watch(model, hang_timeout=30)
+    model(torch.ones(1, 4)).sum().backward()
+    from gpudiag.hang import arm
+    print("armed", len(arm._ARMED), flush=True)
+    """
+)
+
+
+def test_a_script_that_never_closes_its_watcher_exits_cleanly(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS.replace("{port}", str(_port()))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0 and done.stdout == "armed 1\n", done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
