@@ -22,7 +22,8 @@ from typing import Any
 from gpudiag.errors import InputError
 from gpudiag.hang.watchdog import Watchdog
 
-#: Set unless the user set them (the NCCL names too: older torch reads only those).
+#: The flight recorder's buffer size (entries), by its names: torch 2.11 and later read the
+#: first; the second is its older NCCL-only name (deprecated: torch warns when it is set).
 RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
 #: Where the dumps go unless told (``gpudiag run -o``, ``gpudiag.watch(hang_dir=…)``).
 DEFAULT_DIR = "gpudiag-hang"
@@ -64,14 +65,12 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder}: not a folder (where the hang dumps would go)")
     dist = _group()
-    if dist is None:
-        for name, value in RECORDER.items():
-            os.environ.setdefault(name, value)
-    elif not records():
-        names = " or ".join(RECORDER)
+    if dist is None and not any(name in os.environ for name in RECORDER):  # (the user's own size kept)
+        os.environ["TORCH_FR_BUFFER_SIZE"] = RECORDER["TORCH_FR_BUFFER_SIZE"]
+    elif dist is not None and not records():
         raise InputError(
             "the hang watchdog needs the flight recorder, which is off in this process "
-            f"(the process group exists already): set {names} (e.g. =2000) in the environment "
+            "(the process group exists already): set TORCH_FR_BUFFER_SIZE (e.g. =2000) in the environment "
             "before init_process_group, or launch with `torchrun … -m gpudiag run SCRIPT`"
         )
     watchdog = Watchdog(float(stall_s), folder)

@@ -39,8 +39,14 @@ def run_script(script: str, args: list[str], stall_s: float, out: Path) -> int:
             return code
         sys.stderr.write(f"{code}\n")
         return 1
-    except Exception:  # the script's own error: shown as python shows it
-        traceback.print_exc()
+    except Exception:
+        if watchdog.ending.locked():
+            # The watchdog is ending the job for a hang, and a collective of the script failed
+            # as the others left ("connection closed by peer"): a consequence, not the cause —
+            # the verdict says what happened. The watchdog thread ends this process.
+            watchdog.join(watchdog.gather_s + 15)
+            return 1
+        traceback.print_exc()  # the script's own error: shown as python shows it
         return 1
     watchdog.finish()
     return 0
