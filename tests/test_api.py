@@ -4,7 +4,7 @@ use, and results whose repr is one short line."""
 from __future__ import annotations
 
 import gpudiag
-from tests import models
+from tests.helpers import models
 
 
 def test_the_api_is_listed_and_every_name_resolves() -> None:

@@ -21,7 +21,7 @@ from gpudiag.errors import InputError
 from gpudiag.render import render
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.record import Phase
-from tests import models
+from tests.helpers import models
 
 # --- folding phases -----------------------------------------------------------------
 
@@ -578,7 +578,7 @@ class _SlowSamples(Dataset[tuple[Any, int]]):
 
 
 def _alive(pids: list[int]) -> list[int]:
-    from tests.procfs import children
+    from tests.helpers.procfs import children
 
     return [p for p in pids if p in children()]
 
@@ -592,7 +592,7 @@ def test_an_interrupted_feed_stops_busy_workers_within_a_second() -> None:
 
     from gpudiag.checks.bench.data import leave_signals_to_the_trainer
     from gpudiag.runtime.feed import Feed
-    from tests.procfs import children
+    from tests.helpers.procfs import children
 
     before = set(children())
     loader: DataLoader[tuple[Any, int]] = DataLoader(
@@ -625,7 +625,7 @@ def test_no_dataloader_worker_outlives_a_killed_bench(strategy, signum, shape, b
     import sys
     import time
 
-    from tests.procfs import SESSION, live_processes
+    from tests.helpers.procfs import SESSION, live_processes
 
     proc = subprocess.Popen(
         [

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from gpudiag.cli import cli
-from tests import models
+from tests.helpers import models
 
 SMALL = ["--input-shape", "3,8,8"]
 MODELS = Path(models.__file__)

@@ -16,7 +16,7 @@ from torch import nn
 from gpudiag.checks.gradcheck import GradcheckReport, gradcheck
 from gpudiag.checks.gradcheck.trainmode import neutralise, probe
 from gpudiag.cli import cli
-from tests import models
+from tests.helpers import models
 
 X = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))

@@ -19,8 +19,8 @@ from gpudiag.cli import cli
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.launch import launch, local_index
 from gpudiag.runtime.stats import checksum, count_nonfinite, norm_and_nonfinite
-from tests import held_out_models as zoo
-from tests import models
+from tests.helpers import held_out_models as zoo
+from tests.helpers import models
 
 MODELS = str(Path(zoo.__file__))
 SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")

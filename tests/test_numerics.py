@@ -13,7 +13,7 @@ from gpudiag.checks.gradcheck import gradcheck
 from gpudiag.checks.gradcheck.explain import numerics_differ as _numerics_differ
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.numerics import Numerics
-from tests import models
+from tests.helpers import models
 
 #: Settings a user may well have in their process: TF32 and bf16 emulation, autotuning.
 USERS = Numerics(

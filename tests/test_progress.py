@@ -6,7 +6,7 @@ import io
 
 from gpudiag import progress
 from gpudiag.checks.gradcheck import gradcheck
-from tests import models
+from tests.helpers import models
 
 
 class Terminal(io.StringIO):

@@ -24,7 +24,7 @@ from gpudiag.errors import InputError
 from gpudiag.models import resolve_model
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.wire import pack, unpack
-from tests import models
+from tests.helpers import models
 from tests.test_runtime_ddp import children
 
 ROOT = Path(__file__).parent.parent
@@ -200,7 +200,7 @@ def test_a_run_without_an_optimizer_update_imports_no_dynamo() -> None:
         """
         import sys, torch
         from gpudiag.runtime import DeviceSet, RunConfig, run
-        from tests import models
+        from tests.helpers import models
         x, y = models.batch(8)
         run(models.mlp, x, y, RunConfig('dp', DeviceSet.virtual(2), keep_state=False))
         print('torch._dynamo' in sys.modules)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from gpudiag.cli.options import runtime_options
 from gpudiag.runtime import DeviceSet, RunConfig, run
-from tests import models
+from tests.helpers import models
 
 
 @click.command()

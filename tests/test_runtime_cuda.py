@@ -9,7 +9,7 @@ from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.transport import Transport
-from tests import models
+from tests.helpers import models
 
 
 @pytest.mark.multi_gpu

@@ -17,7 +17,7 @@ import torch
 from gpudiag.errors import InputError
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
 from gpudiag.runtime.launch import launch
-from tests import models
+from tests.helpers import models
 
 ROOT = Path(__file__).parent.parent
 TWO = DeviceSet.virtual(2)

@@ -13,7 +13,7 @@ from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.dp import chunk_count, dp_forward
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.transport import Transport
-from tests import models
+from tests.helpers import models
 
 SEED_MACHINE = load_machine(str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json"))
 

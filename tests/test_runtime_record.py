@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gpudiag.runtime import DeviceSet, RunConfig, run
-from tests import models
+from tests.helpers import models
 
 
 def test_chrome_trace_is_valid_trace_event_json() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procfs import session_processes
+from tests.helpers.procfs import session_processes
 
 #: Runs the CLI with one pause point installed (argv: point, marker path, CLI args...).
 WRAPPER = textwrap.dedent(

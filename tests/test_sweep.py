@@ -19,7 +19,7 @@ from gpudiag.repro.sweep.links import first_round, judge_round, next_round
 from gpudiag.repro.sweep.problems import leave_one_out_medians, median
 from gpudiag.repro.sweep.results import NODE_SCHEMA, RESULTS, RULES, RUN, RUN_SCHEMA, results_jsonl
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, check_baseline, check_rules, load_rules
-from tests.procfs import children
+from tests.helpers.procfs import children
 
 
 def node(i: int, **changes: Any) -> dict[str, Any]:

@@ -391,7 +391,7 @@ def test_a_signal_is_honoured_within_seconds_even_inside_a_cpp_wait(tmp_path: Pa
     import signal
     import time
 
-    from tests.procfs import session_processes
+    from tests.helpers.procfs import session_processes
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procfs import session_processes
+from tests.helpers.procfs import session_processes
 
 SEED = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
 

@@ -19,7 +19,7 @@ from torch import nn
 import gpudiag
 from gpudiag.runtime.launch import launch
 from gpudiag.watch import NonFiniteError, read_records
-from tests import models
+from tests.helpers import models
 
 
 class Net(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gpudiag.runtime.launch import launch
-from tests import models
+from tests.helpers import models
 
 STEP = 3  # the backward pass (0-based) whose forward gets the NaN
 

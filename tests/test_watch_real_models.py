@@ -15,7 +15,7 @@ from torch import nn
 
 import gpudiag
 from gpudiag.runtime.launch import launch
-from tests import models
+from tests.helpers import models
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import gpudiag
 from gpudiag.watch import NonFiniteError, NonFiniteWarning
-from tests import models
+from tests.helpers import models
 
 
 class Attention(nn.Module):

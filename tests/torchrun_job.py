@@ -5,7 +5,7 @@ import json
 import os
 
 from gpudiag.runtime import DeviceSet, RunConfig, run
-from tests import models
+from tests.helpers import models
 
 x, y = models.batch(8)
 result = run(models.mlp, x, y, RunConfig("ddp", DeviceSet.virtual(2), steps=2, track_params=True))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gpudiag
-from tests.models import poison
+from tests.helpers.models import poison
 from tests.test_watch import Net
 
 dist.init_process_group("gloo")
