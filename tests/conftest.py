@@ -1,24 +1,17 @@
-"""Shared test helpers: the real topology captures and the NVML scenarios."""
+"""pytest's hooks and fixtures for every test folder: the ``gpu`` / ``multi_gpu`` marks (skipped
+with a reason where no CUDA GPU is, run last) and the ``no_gpu`` fixture. What tests import
+(paths, ``codes()``, the CLI runner, the small models) is in ``tests/helpers``."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-DATA = Path(__file__).parent / "data"
-TOPO = DATA / "topo"
-NVML = DATA / "nvml"
-GOLDEN = Path(__file__).parent / "golden"
-
-
-def capture(name: str) -> str:
-    """The text of a capture in ``tests/data/topo`` (copied from ``shared/fixtures/topo``)."""
-    return (TOPO / name).read_text(encoding="utf-8")
+from tests.helpers import NVML
 
 
 @pytest.fixture

@@ -6,11 +6,7 @@ from gpudiag.hw.fake_nvml import FakeNvml
 from gpudiag.hw.nvml import NvmlBackend
 from gpudiag.topology import parse_capture
 from gpudiag.topology.analysis import analyze, best_groups
-from tests.conftest import NVML, capture
-
-
-def codes(report) -> list[str]:  # type: ignore[no-untyped-def]
-    return [f.code for f in report.findings]
+from tests.helpers import NVML, capture, codes
 
 
 def by_code(report, code: str):  # type: ignore[no-untyped-def]

@@ -4,9 +4,9 @@ package is named (in the trees of its code blocks), and every sub-package is in 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 PAGE = ROOT / "docs" / "architecture.md"
 FOLDERS = ("diag", "checks", "repro")
 #: A tree line: indentation, then a module (``name.py``) or a folder (``name/``), then text.

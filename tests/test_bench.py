@@ -21,7 +21,7 @@ from gpudiag.errors import InputError
 from gpudiag.render import render
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.record import Phase
-from tests.helpers import models
+from tests.helpers import ROOT, models
 
 # --- folding phases -----------------------------------------------------------------
 
@@ -699,7 +699,7 @@ def test_bench_under_torchrun_gathers_every_rank(tmp_path) -> None:  # type: ign
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "GPUDIAG_HOSTNAME": "node-a"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # two CPU ranks, also on a machine with one GPU
     args = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "gpudiag", "bench", "--model", "mlp"]

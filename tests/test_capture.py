@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpudiag.topology import CaptureError, parse_capture
-from tests.conftest import TOPO, capture
+from tests.helpers import TOPO, capture
 
 NIC = [f"NIC{i}" for i in range(12)]
 

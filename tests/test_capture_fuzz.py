@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpudiag.topology import CaptureError, Topology, parse_capture
-from tests.conftest import TOPO
+from tests.helpers import TOPO
 
 CAPTURES = {p.name: p.read_text(encoding="utf-8") for p in sorted(TOPO.glob("*.txt"))}
 VALID_CELL = re.compile(r"X|NV\d+|SYS|SOC|NODE|PHB|PXB|PIX|PSB|CPU")

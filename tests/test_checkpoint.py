@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gpudiag.cli import cli
 from gpudiag.errors import InputError
 from gpudiag.repro.checkpoint import convert, inspect
 from gpudiag.repro.checkpoint.keys import KeyCollision
 from gpudiag.repro.checkpoint.pickles import UnsafeCheckpoint
+from tests.helpers import invoke
 
 #: The wrapped models are built on the CPU here and on a GPU machine alike
 #: (nn.DataParallel moves its module to cuda:0 where CUDA is available).
@@ -101,27 +100,26 @@ def test_inspect_model_verdict_first_keys_summarised_exit_1_when_it_does_not_loa
     src, fixed = tmp_path / "dp.pt", tmp_path / "fixed.pt"
     torch.save(nn.DataParallel(torchvision.models.resnet18(num_classes=10)).state_dict(), src)
     spec = "torchvision:resnet18?num_classes=10"
-    runner = CliRunner()
-    text = runner.invoke(cli, ["ckpt", "inspect", str(src), "--model", spec])
+    text = invoke(["ckpt", "inspect", str(src), "--model", spec])
     assert text.exit_code == 1, text.output
     lines = text.output.splitlines()
     assert lines[0] == f"{src}: torch-zip"
     assert lines[1] == "  does NOT load strictly into --model as it is; fix: --strip module."
     assert len(lines) < 15 and "module.layer2.0.conv1.weight" not in text.output
     assert "keys (122): 'module.conv1.weight', 'module.bn1.weight', 'module.bn1.bias', …" in text.output
-    markdown = runner.invoke(cli, ["ckpt", "inspect", str(src), "--model", spec, "--format", "markdown"])
+    markdown = invoke(["ckpt", "inspect", str(src), "--model", spec, "--format", "markdown"])
     assert markdown.exit_code == 1 and "does NOT load strictly" in markdown.output.splitlines()[4]
-    doc = runner.invoke(cli, ["ckpt", "inspect", str(src), "--model", spec, "--format", "json"])
+    doc = invoke(["ckpt", "inspect", str(src), "--model", spec, "--format", "json"])
     assert doc.exit_code == 1
     keys = json.loads(doc.output)["state_dicts"][0]["keys"]
     assert len(keys) == 122 and "module.layer2.0.conv1.weight" in keys
-    bare = runner.invoke(cli, ["ckpt", "inspect", str(src)])
+    bare = invoke(["ckpt", "inspect", str(src)])
     assert bare.exit_code == 0
     assert bare.output.splitlines()[1] == (
         "  (root): wrapper prefix module. on every key; `gpudiag ckpt convert` strips it"
     )
-    assert runner.invoke(cli, ["ckpt", "convert", str(src), str(fixed)]).exit_code == 0
-    loads = runner.invoke(cli, ["ckpt", "inspect", str(fixed), "--model", spec])
+    assert invoke(["ckpt", "convert", str(src), str(fixed)]).exit_code == 0
+    loads = invoke(["ckpt", "inspect", str(fixed), "--model", spec])
     assert loads.exit_code == 0 and loads.output.splitlines()[1] == "  loads strictly into --model as it is"
     assert inspect(src, model=spec).exit_code() == 1 and inspect(fixed, model=spec).exit_code() == 0
 
@@ -366,21 +364,17 @@ def test_add_then_strip_is_the_identity_on_keys_and_bytes(tmp_path: Path, prefix
 
 def test_cli_inspect_convert_and_dry_run(tmp_path: Path) -> None:
     torch.save({"model": nn.DataParallel(small()).state_dict()}, tmp_path / "in.pt")
-    result = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "in.pt"), "--format", "json"])
+    result = invoke(["ckpt", "inspect", str(tmp_path / "in.pt"), "--format", "json"])
     doc = json.loads(result.output)
     assert doc["schema"] == "gpudiag.ckpt-inspect/1" and doc["state_dicts"][0]["prefixes"] == ["module."]
-    dry = CliRunner().invoke(
-        cli, ["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--dry-run"]
-    )
+    dry = invoke(["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--dry-run"])
     assert dry.exit_code == 0 and "'module.0.weight' -> '0.weight'" in dry.output
     assert not (tmp_path / "o.pt").exists()
-    done = CliRunner().invoke(
-        cli, ["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--format", "json"]
-    )
+    done = invoke(["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--format", "json"])
     assert done.exit_code == 0 and json.loads(done.output)["verified"] is True
-    again = CliRunner().invoke(cli, ["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt")])
+    again = invoke(["ckpt", "convert", str(tmp_path / "in.pt"), str(tmp_path / "o.pt")])
     assert again.exit_code == 2 and "--force" in again.stderr
-    missing = CliRunner().invoke(cli, ["ckpt", "inspect", str(tmp_path / "nope.pt")])
+    missing = invoke(["ckpt", "inspect", str(tmp_path / "nope.pt")])
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
 
 
@@ -532,12 +526,12 @@ def test_verified_only_when_torch_weights_only_loads_it(tmp_path: Path) -> None:
 def test_empty_add_and_unmatched_strip_are_refused(tmp_path: Path) -> None:
     src, out = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save({"model": nn.DataParallel(small()).state_dict(), "ema": small().state_dict()}, src)
-    run = CliRunner().invoke
-    empty = run(cli, ["ckpt", "convert", str(src), str(out), "--add", ""])
+    run = invoke
+    empty = run(["ckpt", "convert", str(src), str(out), "--add", ""])
     assert empty.exit_code == 2 and "--add needs a prefix" in empty.stderr and not out.exists()
-    typo = run(cli, ["ckpt", "convert", str(src), str(out), "--strip", "model."])
+    typo = run(["ckpt", "convert", str(src), str(out), "--strip", "model."])
     assert typo.exit_code == 2 and "no key starts with it" in typo.stderr and not out.exists()
-    partial = run(cli, ["ckpt", "convert", str(src), str(out), "--strip", "module.", "--format", "json"])
+    partial = run(["ckpt", "convert", str(src), str(out), "--strip", "module.", "--format", "json"])
     assert partial.exit_code == 0
     notes = json.loads(partial.output)["notes"]
     assert any("--strip module.: 0 of" in n and "['ema']" in n and "unchanged" in n for n in notes)
@@ -549,9 +543,7 @@ def test_to_safetensors_says_what_it_drops(tmp_path: Path) -> None:
     ema = {k: v.clone() for k, v in model.state_dict().items()}
     src, out = tmp_path / "in.pt", tmp_path / "m.safetensors"
     torch.save({"model": model.state_dict(), "ema": ema, "optimizer": opt.state_dict(), "epoch": 3}, src)
-    run = CliRunner().invoke(
-        cli, ["ckpt", "convert", str(src), str(out), "--to", "safetensors", "--format", "json"]
-    )
+    run = invoke(["ckpt", "convert", str(src), str(out), "--to", "safetensors", "--format", "json"])
     doc = json.loads(run.output)
     assert [m["state_dict"] for m in doc["mappings"]] == ["['model']"]  # ['ema'] is not in OUT
     notes = "\n".join(doc["notes"])

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpudiag.cli import cli
+from tests.helpers import invoke
 
 pytestmark = pytest.mark.usefixtures("no_gpu")
 
@@ -209,7 +208,7 @@ def test_random_files_never_crash_hang_or_change(
     ]
     for args in commands:
         with deadline(10):
-            result = CliRunner().invoke(cli, args)
+            result = invoke(args)
         assert result.exit_code in (0, 1, 2), (args, result.output, result.exception)
         assert "internal error" not in result.output, (args, result.output)
         if result.exit_code == 2:
@@ -224,7 +223,7 @@ def test_pickle_limits_do_not_refuse_a_large_real_state_dict(tmp_path: Path) -> 
     shared = torch.zeros(1)
     state = {f"module.block{i}.weight": shared if i % 7 == 0 else torch.zeros(1) for i in range(1000)}
     torch.save({"model": state, "opt": {"state": {i: {"m": shared} for i in range(50)}}}, tmp_path / "big.pt")
-    result = CliRunner().invoke(cli, ["ckpt", "convert", str(tmp_path / "big.pt"), str(tmp_path / "o.pt")])
+    result = invoke(["ckpt", "convert", str(tmp_path / "big.pt"), str(tmp_path / "o.pt")])
     assert result.exit_code == 0, result.output
     back = torch.load(tmp_path / "o.pt", weights_only=True)
     assert back["model"]["block7.weight"] is back["opt"]["state"][3]["m"]

@@ -8,17 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
-from tests.conftest import GOLDEN, NVML, TOPO
+from tests.helpers import GOLDEN, NVML, SEED_MACHINE, TOPO, invoke
 
 SEED = str(TOPO / "seed_8gpu_nv4_pairs_node_sys.txt")
-EXAMPLE_MACHINE = Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+EXAMPLE_MACHINE = SEED_MACHINE
 
 
 def run(*args: str, env: dict[str, str] | None = None, stdin: str | None = None):  # type: ignore[no-untyped-def]
-    return CliRunner().invoke(cli, list(args), env=env, input=stdin, catch_exceptions=False)
+    return invoke(list(args), env=env, input=stdin, catch_exceptions=False)
 
 
 @pytest.mark.parametrize("args", [["--help"], ["topology", "--help"]])
@@ -209,7 +207,7 @@ def test_names_with_brackets_are_printed_literally(tmp_path: Path) -> None:
     ],
 )
 def test_non_ascii_digits_are_not_numbers(args: list[str]) -> None:
-    result = CliRunner().invoke(cli, args)
+    result = invoke(args)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
 
 
@@ -232,7 +230,7 @@ def test_machine_takes_a_capture_or_a_machine_file_and_bundled_examples_by_name(
     extra = {"topology": [], "nancheck": ["--pairs", "0-1", "--steps", "2"], "peer": ["--pairs", "0-1"]}[
         command
     ]
-    result = CliRunner().invoke(cli, [command, "--machine", machine, *extra, "--format", "json"])
+    result = invoke([command, "--machine", machine, *extra, "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["schema"].startswith("gpudiag.")
 

@@ -4,14 +4,14 @@ carry a code: every code documented once, every carrier refuses an unregistered 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from gpudiag.codes import CODES, SECTIONS, UnknownCode, lookup
 from gpudiag.findings import Finding
+from tests.helpers import ROOT
 
-FINDINGS_MD = Path(__file__).resolve().parents[1] / "docs" / "findings.md"
+FINDINGS_MD = ROOT / "docs" / "findings.md"
 
 
 def documented() -> dict[str, list[tuple[str, str]]]:

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
+from tests.helpers import SEED_MACHINE, invoke
 
 MODEL = textwrap.dedent(
     """
@@ -66,7 +65,7 @@ def model_file(tmp_path: Path) -> str:
 def gradcheck(spec: str, *extra: str) -> tuple[int, str, float]:
     args = ["gradcheck", "--model", spec, "--input-shape", "4", "--num-classes", "3", *extra]
     start = time.monotonic()
-    result = CliRunner().invoke(cli, args)
+    result = invoke(args)
     assert "Traceback" not in result.output and "internal error" not in result.output, result.output
     return result.exit_code, result.output, time.monotonic() - start
 
@@ -125,8 +124,7 @@ def test_the_models_doing_in_a_rank_is_a_finding_naming_the_rank(
 
 
 def test_nancheck_names_the_device_where_the_model_failed(model_file: str, tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         [
             "nancheck",
             "--model",
@@ -136,7 +134,7 @@ def test_nancheck_names_the_device_where_the_model_failed(model_file: str, tmp_p
             "--num-classes",
             "3",
             "--machine",
-            str(Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"),
+            str(SEED_MACHINE),
         ],
     )
     assert result.exit_code == 2, result.output
@@ -162,9 +160,7 @@ def test_a_users_mistake_is_exit_2_naming_the_spec(spec: str, words: str, tmp_pa
         )
         spec = f"{path}:make"
     for command in (["gradcheck"], ["nancheck", "--machine", "seed_8gpu_topo.txt", "--pairs", "0-1"]):
-        result = CliRunner().invoke(
-            cli, [*command, "--model", spec, "--input-shape", "4", "--num-classes", "3"]
-        )
+        result = invoke([*command, "--model", spec, "--input-shape", "4", "--num-classes", "3"])
         assert result.exit_code == 2, result.output
         assert result.output.startswith(f"gpudiag: error: --model {spec!r}: ") and words in result.output
         assert "internal error" not in result.output and "Downloading" not in result.output

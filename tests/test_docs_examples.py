@@ -9,11 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
+from tests.helpers import ROOT, invoke
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 
@@ -50,6 +48,6 @@ def test_a_documented_command_runs_from_any_folder(
     command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, shlex.split(command)[1:])
+    result = invoke(shlex.split(command)[1:])
     assert result.exit_code in (0, 1), result.output  # 1: the example injects a fault
     assert "internal error" not in result.output and "does not exist" not in result.output

@@ -7,19 +7,15 @@ import os
 import stat
 import time
 from dataclasses import replace
-from pathlib import Path
 
-from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpudiag.checks.env import collect_env
-from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner
 from gpudiag.redact import MARK, Redactor, is_secret_name
 from gpudiag.render.env_lines import env_lines
-
-HERE = Path(__file__).parent
+from tests.helpers import NVML, invoke
 
 HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"
 GHP = "ghp_" + "0123456789abcdefghijABCDEFGHIJ012345"
@@ -183,19 +179,18 @@ def test_a_broken_collector_never_fails_the_command(monkeypatch) -> None:
 def test_env_command_formats(monkeypatch) -> None:
     monkeypatch.setenv("HF_TOKEN", HF)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
-    runner = CliRunner()
     for fmt in ("text", "json", "markdown"):
-        result = runner.invoke(cli, ["env", "--format", fmt])
+        result = invoke(["env", "--format", fmt])
         assert result.exit_code == 0, result.output
         assert HF not in result.output and "NCCL_SOCKET_IFNAME" in result.output
-    doc = json.loads(runner.invoke(cli, ["env", "--format", "json"]).output)
+    doc = json.loads(invoke(["env", "--format", "json"]).output)
     assert (
         doc["sections"]["versions"]["torch"] and doc["sections"]["variables"]["NCCL_SOCKET_IFNAME"] == "eth0"
     )
 
 
 def test_gpus_section_from_nvml_maps_torch_indices_and_drops_uuids(monkeypatch) -> None:
-    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(HERE / "data/nvml/h100_8gpu_nvswitch.json"))
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(NVML / "h100_8gpu_nvswitch.json"))
     environ = {"CUDA_VISIBLE_DEVICES": "3,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     report = collect_env(Commands({}), environ)
     gpus = report.sections["gpus"]
@@ -215,7 +210,7 @@ def test_report_anonymize_masks_the_host(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "10.20.30.40")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", f"eth0-{host}")
     out = tmp_path / "anon"
-    result = CliRunner().invoke(cli, ["report", "--checks", "env", "--anonymize", "-o", str(out)])
+    result = invoke(["report", "--checks", "env", "--anonymize", "-o", str(out)])
     assert result.exit_code == 0, result.output
     for file in out.rglob("*"):
         if file.is_file():

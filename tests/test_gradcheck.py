@@ -7,22 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
-from tests.helpers import models
+from tests.helpers import codes, invoke, invoke_json, models
 
 SMALL = ["--input-shape", "3,8,8"]
 MODELS = Path(models.__file__)
 
 
 def gradcheck(*args: str) -> tuple[int, dict]:
-    result = CliRunner().invoke(cli, ["gradcheck", *args, "--format", "json"], catch_exceptions=False)
-    return result.exit_code, json.loads(result.stdout) if result.stdout.strip().startswith("{") else {}
-
-
-def codes(doc: dict) -> list[str]:
-    return [f["code"] for f in doc["findings"]]
+    return invoke_json("gradcheck", *args)
 
 
 def test_plain_mlp_passes() -> None:
@@ -170,13 +163,13 @@ def test_several_adam_steps_compare_updates_and_ranks_stay_identical() -> None:
 def test_mse_loss_and_text_and_markdown() -> None:
     code, doc = gradcheck("--model", "cnn", *SMALL, "--loss", "mse")
     assert code == 0 and doc["verdict"] == "pass"
-    text = CliRunner().invoke(cli, ["gradcheck", "--model", "cnn-bn", *SMALL]).output
+    text = invoke(["gradcheck", "--model", "cnn-bn", *SMALL]).output
     assert (
         "gradcheck EXPLAINED" in text
         and "batchnorm-per-replica" in text
         and "Where dp (as-is) differs" in text
     )
-    md = CliRunner().invoke(cli, ["gradcheck", "--model", "mlp", *SMALL, "--format", "markdown"]).output
+    md = invoke(["gradcheck", "--model", "mlp", *SMALL, "--format", "markdown"]).output
     assert md.startswith("## gradcheck: **pass**") and "| dp | as-is | ok |" in md
 
 
@@ -191,14 +184,14 @@ def test_mse_loss_and_text_and_markdown() -> None:
     ],
 )
 def test_bad_input_is_exit_2(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(cli, ["gradcheck", *args])
+    result = invoke(["gradcheck", *args])
     assert result.exit_code == 2
     assert message in result.output
 
 
 def test_trace_file(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    result = CliRunner().invoke(cli, ["gradcheck", "--model", "mlp", *SMALL, "--trace", str(trace)])
+    result = invoke(["gradcheck", "--model", "mlp", *SMALL, "--trace", str(trace)])
     assert result.exit_code == 0
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}

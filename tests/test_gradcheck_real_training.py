@@ -18,6 +18,7 @@ from gpudiag.checks.gradcheck.trainmode import probe
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.dp import dp_forward
 from gpudiag.runtime.transport import Transport
+from tests.helpers import codes
 
 X = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
@@ -27,10 +28,6 @@ def check(factory: Callable[[], nn.Module], **options: object) -> GradcheckRepor
     """On CPU virtual devices on every machine: what is tested is the simulation."""
     options.setdefault("devices", DeviceSet.virtual(2))
     return gradcheck(factory, options.pop("inputs", X), options.pop("targets", Y), **options)  # type: ignore[arg-type]
-
-
-def codes(report: GradcheckReport) -> list[str]:
-    return [f.code for f in report.findings]
 
 
 # -- activation checkpointing ---------------------------------------------------------------

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from torch import nn
 
 from gpudiag.checks.gradcheck import GradcheckReport, gradcheck
 from gpudiag.checks.gradcheck.trainmode import neutralise, probe
-from gpudiag.cli import cli
-from tests.helpers import models
+from tests.helpers import codes, invoke, models
 
 X = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(1))
 Y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
@@ -24,10 +22,6 @@ Y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
 
 def check(factory: Callable[[], nn.Module], **options: object) -> GradcheckReport:
     return gradcheck(factory, options.pop("inputs", X), options.pop("targets", Y), **options)  # type: ignore[arg-type]
-
-
-def codes(report: GradcheckReport) -> list[str]:
-    return [f.code for f in report.findings]
 
 
 def finding(report: GradcheckReport, code: str) -> dict:
@@ -179,14 +173,13 @@ def test_keyword_inputs_and_a_model_output_with_logits() -> None:
 
 
 def test_cli_output_option() -> None:
-    runner = CliRunner()
     spec = f"{Path(models.__file__)}:TupleOutput"
-    result = runner.invoke(
-        cli, ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--output", "1", "--format", "json"]
+    result = invoke(
+        ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--output", "1", "--format", "json"]
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"]["output"] == 1
-    bad = runner.invoke(cli, ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--output", "nope"])
+    bad = invoke(["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--output", "nope"])
     assert bad.exit_code == 2 and "--output 'nope'" in bad.output and "Traceback" not in bad.output
 
 
@@ -199,8 +192,7 @@ def test_batchnorm_without_running_statistics_stays_a_possible_cause() -> None:
 
 
 def test_a_factory_that_raises_is_bad_input() -> None:
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         ["gradcheck", "--model", f"{Path(models.__file__)}:factory_that_raises", "--input-shape", "3,4,4"],
     )
     assert result.exit_code == 2 and "the model factory raised RuntimeError: factory boom" in result.output
@@ -208,8 +200,8 @@ def test_a_factory_that_raises_is_bad_input() -> None:
 
 def test_mse_targets_follow_the_selected_output() -> None:
     spec = f"{Path(models.__file__)}:TupleOutput"
-    result = CliRunner().invoke(
-        cli, ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--loss", "mse", "--format", "json"]
+    result = invoke(
+        ["gradcheck", "--model", spec, "--input-shape", "3,4,4", "--loss", "mse", "--format", "json"]
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verdict"] == "pass"

@@ -19,8 +19,9 @@ from gpudiag.hang.analysis import analyse
 from gpudiag.hang.reader import read_dumps
 from gpudiag.hang.result import judge
 from gpudiag.render import render
+from tests.helpers import FR, ROOT
 
-DATA = Path(__file__).parent / "data" / "fr"
+DATA = FR
 GLOO = DATA / "gloo"
 GENERATOR = (DATA / "make_gloo_dumps.py").read_text().splitlines()
 
@@ -237,11 +238,11 @@ def test_bad_names_and_two_dumps_of_one_rank(tmp_path: Path) -> None:
 def test_every_finding_code_is_documented_and_the_docs_example_is_real_output() -> None:
     import re
 
-    docs = (Path(__file__).parents[1] / "docs" / "findings.md").read_text()
-    source = (Path(__file__).parents[1] / "diag" / "hang" / "result.py").read_text()
+    docs = (ROOT / "docs" / "findings.md").read_text()
+    source = (ROOT / "diag" / "hang" / "result.py").read_text()
     codes = set(re.findall(r'"(hang-[a-z-]+)"', source))
     assert len(codes) == 9 and all(f"### `{code}`" in docs for code in codes)
-    page = (Path(__file__).parents[1] / "docs" / "hang.md").read_text()
+    page = (ROOT / "docs" / "hang.md").read_text()
     for scenario in ("skip", "subgroup"):
         command = f"$ gpudiag hang tests/data/fr/gloo/{scenario}/pickle\n"
         shown = page.split(command, 1)[1].split("```", 1)[0]

@@ -11,32 +11,29 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import gpudiag
 from gpudiag.checks.nancheck import Outcome, conclude
-from gpudiag.cli import cli
 from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.launch import launch, local_index
 from gpudiag.runtime.stats import checksum, count_nonfinite, norm_and_nonfinite
+from tests.helpers import SEED_MACHINE, invoke, json_of, models
 from tests.helpers import held_out_models as zoo
-from tests.helpers import models
 
 MODELS = str(Path(zoo.__file__))
-SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
+SEED = str(SEED_MACHINE)
 DENSE = ["--input-shape", zoo.SHAPE, "--num-classes", "4"]
 TOKENS = ["--input-shape", zoo.TOKENS, "--input-dtype", "long", "--input-range", f"0,{zoo.VOCAB}"]
 TOKENS += ["--num-classes", "4"]
 
 
-def invoke(*args: str) -> tuple[int, dict[str, Any], str]:
-    result = CliRunner().invoke(cli, [*args, "--format", "json"], catch_exceptions=False)
-    out = result.stdout
-    return result.exit_code, json.loads(out) if out.strip().startswith("{") else {}, result.stderr
+def run_json(*args: str) -> tuple[int, dict[str, Any], str]:
+    result = invoke([*args, "--format", "json"], catch_exceptions=False)
+    return result.exit_code, json_of(result), result.stderr
 
 
 def gradcheck(factory: str, *args: str) -> tuple[int, dict[str, Any]]:
-    code, doc, stderr = invoke("gradcheck", "--model", f"{MODELS}:{factory}", *args)
+    code, doc, stderr = run_json("gradcheck", "--model", f"{MODELS}:{factory}", *args)
     assert doc, stderr
     return code, doc
 
@@ -201,7 +198,7 @@ def test_gpudiag_watch_names_a_bad_value_in_a_ddp_model(
 def nancheck(factory: str, *args: str, strategy: str = "ddp") -> tuple[int, dict[str, Any], str]:
     """nancheck on pairs (0,1) and (5,6) of the seed machine, 3 steps."""
     common = ["--machine", SEED, "--pairs", "0-1,5-6", "--strategy", strategy, "--steps", "3"]
-    return invoke("nancheck", *common, "--model", factory, *args)
+    return run_json("nancheck", *common, "--model", factory, *args)
 
 
 def test_a_crashing_pair_is_reported_as_a_crash_not_a_link() -> None:

@@ -7,21 +7,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpudiag.cli import cli
-from tests.conftest import TOPO
+from tests.helpers import SEED_MACHINE, TOPO, invoke
 
 SETTINGS = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-MACHINE = json.loads((Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_machine.json").read_text())
+MACHINE = json.loads(SEED_MACHINE.read_text())
 CAPTURE = (TOPO / "seed_8gpu_nv4_pairs_node_sys.txt").read_bytes()
 
 json_values = st.recursive(
@@ -46,7 +43,7 @@ def _mutated_machine(data: st.DataObject) -> object:
 
 def _run(args: list[str]) -> None:
     start = time.monotonic()
-    result = CliRunner().invoke(cli, args)
+    result = invoke(args)
     took = time.monotonic() - start
     assert result.exit_code in (0, 1, 2), (result.exit_code, result.output)
     assert "internal error" not in result.output and "Traceback" not in result.output, result.output

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
 from gpudiag.models import random_inputs
+from tests.helpers import invoke
 
 TOKENS = """from torch import nn
 
@@ -39,14 +38,14 @@ def test_random_inputs_follow_dtype_and_range() -> None:
 
 def test_a_token_model_is_checked_from_the_cli(token_model: str) -> None:
     args = ["--model", token_model, "--input-shape", "4", "--num-classes", "3"]
-    result = CliRunner().invoke(cli, ["gradcheck", *args, "--format", "json"])
+    result = invoke(["gradcheck", *args, "--format", "json"])
     assert result.exit_code == 2 and "raised" in result.output  # floats into an embedding
     tokens = ["--input-dtype", "long", "--input-range", "0,100"]
-    result = CliRunner().invoke(cli, ["gradcheck", *args, *tokens, "--format", "json"])
+    result = invoke(["gradcheck", *args, *tokens, "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"]["input_dtype"] == "long"
     machine = ["--machine", "seed_8gpu_topo.txt", "--pairs", "0-1", "--steps", "2"]
-    result = CliRunner().invoke(cli, ["nancheck", *args, *tokens, *machine])
+    result = invoke(["nancheck", *args, *tokens, *machine])
     assert result.exit_code == 0, result.output
 
 
@@ -61,7 +60,7 @@ def test_a_token_model_is_checked_from_the_cli(token_model: str) -> None:
 )
 def test_bad_input_options_are_exit_2(extra: list[str], words: str) -> None:
     for command in (["gradcheck", "--model", "mlp"], ["doctor", "--no-bundle", "--checks", "gradcheck"]):
-        result = CliRunner().invoke(cli, [*command, *extra])
+        result = invoke([*command, *extra])
         assert result.exit_code == 2 and words in result.output, result.output
 
 
@@ -77,13 +76,13 @@ def test_report_carries_the_inputs_and_replay_makes_the_same_batch(token_model: 
         "--checks",
         "gradcheck",
     ]
-    result = CliRunner().invoke(cli, ["report", "--model", token_model, *options, "-o", str(bundle)])
+    result = invoke(["report", "--model", token_model, *options, "-o", str(bundle)])
     assert result.exit_code == 1  # 3 outputs, 10 classes by default: the model's own error
     config = json.loads((bundle / "report.json").read_text())["checks"][0]["config"]
     assert (
         config["input_dtype"] == "long" and config["input_range"] == [0, 100] and config["input_shape"] == [4]
     )
-    replayed = CliRunner().invoke(cli, ["replay", str(bundle), "--trust-bundle", "--format", "json"])
+    replayed = invoke(["replay", str(bundle), "--trust-bundle", "--format", "json"])
     assert replayed.exit_code == 0, replayed.output
 
 
@@ -107,8 +106,7 @@ def two_inputs() -> torch.nn.Module:
 def test_inputs_from_a_file_feed_any_model(tmp_path: Path) -> None:
     batch = tmp_path / "batch.pt"
     torch.save({"ids": torch.randint(0, 50, (6, 5)), "mask": torch.ones(6, 5)}, batch)
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         [
             "gradcheck",
             "--model",
@@ -145,5 +143,5 @@ def test_a_bad_inputs_file_is_exit_2(content: object, words: str, tmp_path: Path
         torch.save((torch.ones(4, 2), torch.ones(3, 2)), path)
     elif content == "scalar":
         torch.save(torch.tensor(1.0), path)
-    result = CliRunner().invoke(cli, ["gradcheck", "--model", "mlp", "--inputs", str(path)])
+    result = invoke(["gradcheck", "--model", "mlp", "--inputs", str(path)])
     assert result.exit_code == 2 and words in result.output, result.output

@@ -13,7 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 FOLDERS = {"gpudiag": ROOT / "diag", "gpudiag.checks": ROOT / "checks", "gpudiag.repro": ROOT / "repro"}
 FRONT_ENDS = {"gpudiag.cli", "gpudiag.testing", "gpudiag.__main__"}  # (and the modules of gpudiag.cli)
 #: Layers, bottom up: a unit may import its own layer's units and the ones below.

@@ -13,7 +13,7 @@ from gpudiag.hw.machine import MachineBackend, MachineFileError, load_machine, s
 from gpudiag.hw.nvml import NvmlBackend
 from gpudiag.topology import parse_capture
 from gpudiag.topology.analysis import analyze
-from tests.conftest import NVML, TOPO, capture
+from tests.helpers import NVML, SEED_MACHINE, TOPO, capture
 
 TOPO_CAPTURES = [
     p.name for p in sorted(TOPO.glob("*.txt")) if "rocm" not in p.name and "Latency" not in p.name
@@ -48,7 +48,7 @@ def test_nvml_reading_round_trips_through_a_machine_file(scenario: str, tmp_path
 
 
 def test_machine_backend_lists_gpus() -> None:
-    backend = MachineBackend(Path(__file__).parent.parent / "diag" / "examples" / "seed_8gpu_machine.json")
+    backend = MachineBackend(SEED_MACHINE)
     gpus = backend.gpus()
     assert [g.index for g in gpus] == list(range(8))
     assert backend.topology().cell("GPU5", "GPU6") == "NODE"

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from gpudiag.checks.nancheck import Outcome, conclude
-from gpudiag.cli import cli
 from gpudiag.parsers import parse_pairs
+from tests.helpers import SEED_MACHINE, invoke
 
-SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
+SEED = str(SEED_MACHINE)
 
 
 def nancheck(*args: str) -> tuple[int, dict]:
-    result = CliRunner().invoke(
-        cli, ["nancheck", "--machine", SEED, *args, "--format", "json"], catch_exceptions=False
-    )
+    result = invoke(["nancheck", "--machine", SEED, *args, "--format", "json"], catch_exceptions=False)
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -101,9 +97,7 @@ def test_the_same_through_ddp() -> None:
 
 
 def test_text_output_draws_the_pair_matrix() -> None:
-    result = CliRunner().invoke(
-        cli, ["nancheck", "--machine", SEED, "--inject", "5->6:nan@3", "--steps", "4"]
-    )
+    result = invoke(["nancheck", "--machine", SEED, "--inject", "5->6:nan@3", "--steps", "4"])
     assert result.exit_code == 1
     assert "NODE✗" in result.output and "link-corruption" in result.output
 
@@ -111,27 +105,27 @@ def test_text_output_draws_the_pair_matrix() -> None:
 def test_virtual_devices_are_simulated_in_every_format() -> None:
     """Issue 17: a machine file's run said `pass` as if the machine's GPUs had trained."""
     args = ["nancheck", "--machine", SEED, "--pairs", "0-1", "--steps", "2"]
-    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).stdout)
+    doc = json.loads(invoke([*args, "--format", "json"]).stdout)
     assert doc["verdict"] == "pass" and doc["simulated"] is True
     assert "virtual devices laid out like" in doc["simulation"] and SEED in doc["simulation"]
-    text = CliRunner().invoke(cli, args)
+    text = invoke(args)
     assert text.exit_code == 0 and text.stdout.startswith("nancheck PASS (simulated)")
     assert "Simulated on CPU virtual devices" in text.stdout and "(simulated, on the CPU)" in text.stdout
-    markdown = CliRunner().invoke(cli, [*args, "--format", "markdown"]).stdout
+    markdown = invoke([*args, "--format", "markdown"]).stdout
     assert markdown.startswith("## nancheck: **pass** (simulated)")
     assert "not on the machine's GPUs" in markdown
 
 
 @pytest.mark.usefixtures("no_gpu")
 def test_without_gpus_or_machine_it_is_exit_3() -> None:
-    result = CliRunner().invoke(cli, ["nancheck"])
+    result = invoke(["nancheck"])
     assert result.exit_code == 3
     assert "--machine" in result.stderr
 
 
 @pytest.mark.parametrize("pairs", ["0-0", "0-9", "1:2"])
 def test_bad_pairs_are_exit_2(pairs: str) -> None:
-    result = CliRunner().invoke(cli, ["nancheck", "--machine", SEED, "--pairs", pairs])
+    result = invoke(["nancheck", "--machine", SEED, "--pairs", pairs])
     assert result.exit_code == 2
 
 
@@ -170,7 +164,7 @@ def test_bad_pairs_are_exit_2(pairs: str) -> None:
 def test_an_injection_that_cannot_fire_is_refused_before_anything_runs(
     command: list[str], inject: str, words: str
 ) -> None:
-    result = CliRunner().invoke(cli, [*command, "--inject", inject])
+    result = invoke([*command, "--inject", inject])
     assert result.exit_code == 2 and "can never fire" in result.output and words in result.output, (
         result.output
     )
@@ -212,8 +206,7 @@ def test_conclusions_from_patterns() -> None:
 
 def test_trace_holds_every_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     trace = tmp_path / "nan.jsonl"
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         [
             "nancheck",
             "--machine",
@@ -238,9 +231,7 @@ def test_trace_holds_every_run(tmp_path) -> None:  # type: ignore[no-untyped-def
 def test_a_standalone_rehearsal_says_so_first() -> None:
     code, doc = nancheck("--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3")
     assert code == 1 and doc["rehearsal"].startswith("rehearsal with injected faults (--inject 5->6:nan@3)")
-    text = CliRunner().invoke(
-        cli, ["nancheck", "--machine", SEED, "--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3"]
-    )
+    text = invoke(["nancheck", "--machine", SEED, "--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3"])
     assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:nan@3)")
     assert nancheck("--pairs", "5-6", "--steps", "4")[1]["rehearsal"] is None
 

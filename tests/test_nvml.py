@@ -6,7 +6,7 @@ import pytest
 
 from gpudiag.hw.fake_nvml import FakeNvml
 from gpudiag.hw.nvml import NvmlBackend, NvmlUnavailable, cpu_list
-from tests.conftest import NVML
+from tests.helpers import NVML
 
 
 def backend(name: str, env: dict[str, str] | None = None) -> NvmlBackend:

@@ -12,6 +12,7 @@ import pytest
 
 from gpudiag.checks.options import OPTIONS, specs
 from gpudiag.cli import cli
+from tests.helpers import invoke
 
 
 def _api(name: str) -> Any:
@@ -70,11 +71,10 @@ def test_every_cli_choice_list_is_the_declared_one() -> None:
 
 
 def test_the_declared_ranges_refuse_on_every_side() -> None:
-    from click.testing import CliRunner
 
     from gpudiag.checks.fields import config_fields
 
-    refused = CliRunner().invoke(cli, ["gradcheck", "--model", "mlp", "--world-size", "65"])
+    refused = invoke(["gradcheck", "--model", "mlp", "--world-size", "65"])
     assert refused.exit_code == 2 and "65" in refused.output
     assert config_fields()["gradcheck"]["world_size"](65) == "65 is out of range (expected 1 to 64)"
     assert "timeout" not in config_fields()["nancheck"]  # a deadline is no bundle's to set
@@ -83,11 +83,10 @@ def test_the_declared_ranges_refuse_on_every_side() -> None:
 def test_nancheck_trains_with_the_loss_it_declares(tmp_path: Any) -> None:
     """--loss is declared for nancheck (bundles carried it; the command had none): an mse
     loss gets regression targets of the output's shape, not class labels."""
-    from click.testing import CliRunner
 
     seed = "diag/examples/seed_8gpu_machine.json"
     args = ["nancheck", "--machine", seed, "--pairs", "0-1", "--steps", "2", "--input-shape", "8"]
-    done = CliRunner().invoke(cli, [*args, "--loss", "mse", "--format", "json"])
+    done = invoke([*args, "--loss", "mse", "--format", "json"])
     assert done.exit_code == 0, done.output
 
 

@@ -13,15 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
 from gpudiag.fileio import atomic_write, remove_stale_temporaries, temporary_prefix
-from tests.conftest import TOPO
+from tests.helpers import TOPO, invoke
 
 
 def run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, list(args))
+    result = invoke(list(args))
     assert "Traceback" not in result.output and "internal error" not in result.output, result.output
     return result.exit_code, result.output
 

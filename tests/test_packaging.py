@@ -4,13 +4,13 @@ pyproject.toml (a package left out installs without error and fails on import â€
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import ROOT
+
 tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def setuptools_table() -> Any:

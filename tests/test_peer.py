@@ -6,15 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from gpudiag.checks.peer import conclude, peer
-from gpudiag.cli import cli
 from gpudiag.hw.host import Output, Runner, acs_redirects, collect, iommu_mode
 from gpudiag.hw.machine import load_machine
 from gpudiag.parsers import parse_sizes
+from tests.helpers import SEED_MACHINE, invoke
 
-SEED = str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json")
+SEED = str(SEED_MACHINE)
 
 LSPCI = """\
 00:01.1 PCI bridge: Advanced Micro Devices, Inc. [AMD] Starship/Matisse GPP Bridge
@@ -131,14 +130,14 @@ def test_healthy_pairs_pass() -> None:
 @pytest.mark.usefixtures("no_gpu")
 def test_cli_without_gpus_is_skipped_with_the_host_probes() -> None:
     """Issue 17: bare `gpudiag peer` without GPUs said `peer PASS · none devices`, exit 0."""
-    result = CliRunner().invoke(cli, ["peer", "--format", "json"])
+    result = invoke(["peer", "--format", "json"])
     assert result.exit_code == 3  # cannot run here (DESIGN.md)
     doc = json.loads(result.output)
     assert doc["schema"] == "gpudiag.peer/1" and doc["pairs"] == [] and doc["devices"] == "none"
     assert doc["verdict"] == "skipped" and doc["simulated"] is False
     assert "not enough GPUs" in doc["reason"] and any("host probes only" in s for s in doc["skipped"])
     assert doc["host"]["iommu_mode"]  # the host probes ran and are shown
-    text = CliRunner().invoke(cli, ["peer"])
+    text = invoke(["peer"])
     assert text.exit_code == 3 and "PASS" not in text.stdout
     first = text.stdout.splitlines()[0]
     assert first.startswith("peer SKIPPED · GPU tests: not enough GPUs") and "host:" in text.stdout
@@ -147,26 +146,24 @@ def test_cli_without_gpus_is_skipped_with_the_host_probes() -> None:
 def test_a_machine_file_is_simulated_everywhere(tmp_path: Path) -> None:
     """Issue 17: copies on CPU virtual devices are never a plain pass of the real machine."""
     args = ["peer", "--machine", SEED, "--pairs", "0-1", "--sizes", "4K"]
-    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).output)
+    doc = json.loads(invoke([*args, "--format", "json"]).output)
     assert doc["verdict"] == "pass" and doc["simulated"] is True
     assert "virtual devices laid out like" in doc["simulation"] and SEED in doc["simulation"]
-    text = CliRunner().invoke(cli, args)
+    text = invoke(args)
     assert text.exit_code == 0 and text.stdout.startswith("peer PASS (simulated)")
     assert "simulated on CPU virtual devices" in text.stdout
-    markdown = CliRunner().invoke(cli, [*args, "--format", "markdown"]).stdout
+    markdown = invoke([*args, "--format", "markdown"]).stdout
     assert "peer PASS (simulated)" in markdown and "not over the machine's GPU links" in markdown
     one_gpu = tmp_path / "one.txt"
     one_gpu.write_text("\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n\nLegend:\n\n  X    = Self\n")
-    single = CliRunner().invoke(cli, ["peer", "--machine", str(one_gpu), "--format", "json"])
+    single = invoke(["peer", "--machine", str(one_gpu), "--format", "json"])
     assert single.exit_code == 3, single.output
     assert json.loads(single.stdout)["verdict"] == "skipped"
     assert "not enough GPUs" in json.loads(single.stdout)["reason"]
 
 
 def test_cli_on_a_machine_file() -> None:
-    result = CliRunner().invoke(
-        cli, ["peer", "--machine", SEED, "--pairs", "6-7", "--sizes", "4K", "--inject", "7->6:nan"]
-    )
+    result = invoke(["peer", "--machine", SEED, "--pairs", "6-7", "--sizes", "4K", "--inject", "7->6:nan"])
     assert result.exit_code == 1 and "p2p-copy-mismatch" in result.output
 
 
@@ -207,9 +204,9 @@ def test_peer_names_an_injected_fault_on_cuda() -> None:
 
 
 def test_a_peer_rehearsal_says_so_first() -> None:
-    machine = str(Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_machine.json")
+    machine = str(SEED_MACHINE)
     args = ["peer", "--machine", machine, "--pairs", "5-6", "--sizes", "4K", "--inject", "5->6:zero"]
-    text = CliRunner().invoke(cli, args)
+    text = invoke(args)
     assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:zero)"), text.stdout
-    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json"]).stdout)
+    doc = json.loads(invoke([*args, "--format", "json"]).stdout)
     assert doc["rehearsal"].startswith("rehearsal with injected faults")

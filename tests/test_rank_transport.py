@@ -24,10 +24,8 @@ from gpudiag.errors import InputError
 from gpudiag.models import resolve_model
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.wire import pack, unpack
-from tests.helpers import models
+from tests.helpers import ROOT, models
 from tests.test_runtime_ddp import children
-
-ROOT = Path(__file__).parent.parent
 
 
 def _apply(rank: int, world: int, fn: object, tensors: list[torch.Tensor]) -> bytes:

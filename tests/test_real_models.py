@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from click.testing import CliRunner
 
 import gpudiag
-from gpudiag.cli import cli
+from tests.helpers import SEED_MACHINE, codes, invoke
 
-MACHINE = Path(__file__).parent.parent / "diag" / "examples" / "seed_8gpu_machine.json"
+MACHINE = SEED_MACHINE
 SMALL = ["--input-shape", "3,32,32", "--batch-size", "4"]
 
 #: Models that broke the launch with "too many fds" (more tensors than a forkserver sends).
@@ -30,26 +29,22 @@ FAMILIES = [
 ]
 
 
-def invoke(*args: str) -> tuple[int, dict]:
-    result = CliRunner().invoke(cli, [*args, "--format", "json"], catch_exceptions=False)
+def run_json(*args: str) -> tuple[int, dict]:
+    result = invoke([*args, "--format", "json"], catch_exceptions=False)
     assert result.stdout.startswith("{"), result.stdout + result.stderr
     return result.exit_code, json.loads(result.stdout)
-
-
-def codes(doc: dict) -> list[str]:
-    return [f["code"] for f in doc["findings"]]
 
 
 def check_model(spec: str, monkeypatch: pytest.MonkeyPatch, start: str) -> None:
     """gradcheck: BatchNorm explains the as-is difference, the controlled rerun agrees;
     nancheck over DDP on a pair of virtual GPUs: no NaN."""
     monkeypatch.setenv("GPUDIAG_RANK_START", start)
-    code, doc = invoke("gradcheck", "--model", spec, *SMALL)
+    code, doc = run_json("gradcheck", "--model", spec, *SMALL)
     assert code == 0 and doc["verdict"] == "explained", codes(doc)
     assert "batchnorm-per-replica" in codes(doc)
     assert all(c["ok"] for c in doc["comparisons"] if c["mode"] == "controlled")
     assert set(doc["numerics"]) == {"single", "dp", "ddp rank 0", "ddp rank 1"}
-    code, doc = invoke(
+    code, doc = run_json(
         "nancheck", "--model", spec, *SMALL, "--machine", str(MACHINE), "--pairs", "0-1", "--steps", "2",
         "--strategy", "ddp",
     )  # fmt: skip

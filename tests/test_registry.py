@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
 import gpudiag.checks.suite  # noqa: F401  (registers gpudiag's own checks)
 from gpudiag.checks import registry
 from gpudiag.checks.registry import Check, Request
-from gpudiag.cli import cli
 from gpudiag.findings import Finding
 from gpudiag.result import CheckResult
+from tests.helpers import FR, invoke
 
 
 @dataclass
@@ -75,38 +74,36 @@ def coin() -> Iterator[Check]:
 def test_a_check_registered_alone_runs_in_doctor_renders_bundles_and_replays(
     coin: Check, tmp_path: Path
 ) -> None:
-    runner = CliRunner()
     bundle = tmp_path / "bundle"
-    done = runner.invoke(cli, ["doctor", "--checks", "coin,env", "-o", str(bundle), "--format", "json"])
+    done = invoke(["doctor", "--checks", "coin,env", "-o", str(bundle), "--format", "json"])
     assert done.exit_code == 0, done.output
     checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
     assert checks["coin"]["status"] == "pass" and checks["coin"]["headline"] == "3 heads"
     recorded = {c["name"]: c for c in json.loads((bundle / "report.json").read_text())["checks"]}
     assert recorded["coin"]["config"] == {"flips": 3}
     assert recorded["coin"]["result"] == {"schema": "gpudiag.coin/1", "flips": 3, "heads": 3}
-    markdown = runner.invoke(cli, ["doctor", "--checks", "coin", "--no-bundle", "--format", "markdown"])
+    markdown = invoke(["doctor", "--checks", "coin", "--no-bundle", "--format", "markdown"])
     assert markdown.exit_code == 0 and "coin" in markdown.stdout and "3 heads" in markdown.stdout
-    replayed = runner.invoke(cli, ["replay", str(bundle), "--format", "json"])
+    replayed = invoke(["replay", str(bundle), "--format", "json"])
     assert replayed.exit_code == 0, replayed.output
     coin_replay = [c for c in json.loads(replayed.stdout)["checks"] if c["name"] == "coin"]
     assert [(c["compared"], c["match"]) for c in coin_replay] == [(True, True)]
     document = json.loads((bundle / "report.json").read_text())  # the reporter saw 2 heads
     next(c for c in document["checks"] if c["name"] == "coin")["result"]["heads"] = 2
     (bundle / "report.json").write_text(json.dumps(document))
-    differs = runner.invoke(cli, ["replay", str(bundle), "--format", "json"])
+    differs = invoke(["replay", str(bundle), "--format", "json"])
     assert differs.exit_code == 1, differs.output
     coin_replay = [c for c in json.loads(differs.stdout)["checks"] if c["name"] == "coin"]
     assert coin_replay[0]["differences"] == ["heads differ"]
 
 
 def test_a_bundle_is_checked_by_the_entrys_fields(coin: Check, tmp_path: Path) -> None:
-    runner = CliRunner()
     bundle = tmp_path / "bundle"
-    assert runner.invoke(cli, ["report", "--checks", "coin", "-o", str(bundle)]).exit_code == 0
+    assert invoke(["report", "--checks", "coin", "-o", str(bundle)]).exit_code == 0
     document = json.loads((bundle / "report.json").read_text())
     document["checks"][0]["config"]["flips"] = 1000
     (bundle / "report.json").write_text(json.dumps(document))
-    refused = runner.invoke(cli, ["replay", str(bundle)])
+    refused = invoke(["replay", str(bundle)])
     assert refused.exit_code == 2 and "checks[0].config.flips: 1000 is not 1 to 10 flips" in refused.output
 
 
@@ -142,7 +139,7 @@ def test_gpudiags_own_checks_are_registered_with_the_renderers_formats() -> None
 def test_transport_came_in_through_the_registry(no_gpu: None) -> None:
     """Issue 34's check, added as one entry: doctor lists it, and without two GPUs says why
     it skipped and what reads a saved log instead."""
-    done = CliRunner().invoke(cli, ["doctor", "--checks", "transport", "--no-bundle", "--format", "json"])
+    done = invoke(["doctor", "--checks", "transport", "--no-bundle", "--format", "json"])
     assert done.exit_code == 0, done.output
     (run,) = json.loads(done.stdout)["checks"]
     assert run["name"] == "transport" and run["status"] == "skipped"
@@ -153,7 +150,7 @@ def test_hang_came_in_through_the_registry() -> None:
     """Issue 33's check, one entry: kept out of doctor's default run (its inputs are a job's
     dumps), and when named it says what it needs."""
     assert "hang" in registry.names() and "hang" not in registry.names(suite_only=True)
-    done = CliRunner().invoke(cli, ["doctor", "--checks", "hang", "--no-bundle", "--format", "json"])
+    done = invoke(["doctor", "--checks", "hang", "--no-bundle", "--format", "json"])
     assert done.exit_code == 0, done.output
     (run,) = json.loads(done.stdout)["checks"]
     assert run["status"] == "skipped" and "gpudiag report --hang DIR" in run["headline"]
@@ -166,4 +163,4 @@ def test_hang_came_in_through_the_registry() -> None:
     assert isinstance(result, CheckResult) and result.to_json()["culprit_ranks"] == [2]
 
 
-FR_GLOO = Path(__file__).resolve().parent / "data" / "fr" / "gloo"
+FR_GLOO = FR / "gloo"

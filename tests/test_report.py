@@ -12,21 +12,17 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpudiag.checks.suite import Here, command_line, plan, run_check
-from gpudiag.cli import cli
 from gpudiag.repro.bundle import read_bundle
 from gpudiag.repro.scripts import repro_script
 from gpudiag.runtime.launch import launch, rank_logs
+from tests.helpers import NVML, SEED_TOPO, TOPO, invoke
 
-HERE = Path(__file__).parent
-SEED_CAPTURE = str(HERE.parent / "diag/examples/seed_8gpu_topo.txt")
-FOUR_GPUS = str(
-    Path(__file__).parent / "data/topo/v100_4gpu_nv1_nv2_numa.txt"
-)  # NVLink between some pairs only
+SEED_CAPTURE = str(SEED_TOPO)
+FOUR_GPUS = str(TOPO / "v100_4gpu_nv1_nv2_numa.txt")  # NVLink between some pairs only
 HF = "hf_" + "QwErTyUiOpAsDfGhJkLzXcVbNm123456"
 PASSWORD = "tr0ub4dor-and-3-horses"
 CONF_TOKEN = "ghp_" + "ZYXWVUTSRQponmlkjihgfedcba9876543210"
@@ -44,8 +40,7 @@ def bundle_bytes(path: Path) -> dict[str, bytes]:
 def seed_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A report of a 4-GPU machine (virtual devices) with GPU 1 → 0 corrupting data."""
     out = tmp_path_factory.mktemp("bundles") / "seed"
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         [
             "report",
             "--machine",
@@ -220,8 +215,7 @@ def test_secrets_never_reach_the_bundle(tmp_path: Path, monkeypatch: pytest.Monk
     secrets += ["db-pwd-5551234", "svc-creds-5551234", "bearer0123456789abcdef", "cli-key-5551234"]
     for suffix in ("folder", "bundle.zip"):
         out = tmp_path / suffix
-        result = CliRunner().invoke(
-            cli,
+        result = invoke(
             [
                 "report",
                 "--checks",
@@ -253,11 +247,10 @@ def test_secrets_never_reach_the_bundle(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None:
-    runner = CliRunner()
     existing = tmp_path / "old"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    result = runner.invoke(cli, ["report", "--checks", "env", "-o", str(existing)])
+    result = invoke(["report", "--checks", "env", "-o", str(existing)])
     assert result.exit_code == 2 and "exists; pass --force" in result.output
     assert (existing / "keep.txt").read_text() == "mine"
     for args, message in (
@@ -268,12 +261,12 @@ def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None
         (["--inject", "1-0:nan"], "Invalid value for '--inject'"),
     ):
         output = [] if "-o" in args else ["-o", str(tmp_path / "x")]
-        result = runner.invoke(cli, ["report", "--checks", "env", *output, *args])
+        result = invoke(["report", "--checks", "env", *output, *args])
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written
     # --force replaces an earlier bundle only (tests/test_outputs.py), not a user's folder
-    result = runner.invoke(cli, ["report", "--checks", "env", "-o", str(existing), "--force"])
+    result = invoke(["report", "--checks", "env", "-o", str(existing), "--force"])
     assert result.exit_code == 2 and "not a gpudiag bundle" in result.output
     assert sorted(p.name for p in existing.iterdir()) == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
@@ -284,7 +277,7 @@ def test_replay_matches_its_own_bundle(seed_bundle: Path, monkeypatch: pytest.Mo
 
     seen: list[str] = []  # what a terminal would show (issue 17: replay was silent until the end)
     monkeypatch.setattr(progress, "shown", lambda stream=None: progress.listening(seen.append))
-    result = CliRunner().invoke(cli, ["replay", str(seed_bundle), "--format", "json"])
+    result = invoke(["replay", str(seed_bundle), "--format", "json"])
     assert result.exit_code == 0, result.output
     names = ["env", "topology", "peer", "gradcheck", "nancheck"]
     assert [s for s in seen if s.startswith("replay: ")] == [f"replay: {name}" for name in names]
@@ -311,7 +304,7 @@ def test_replay_says_what_differs(seed_bundle: Path, tmp_path: Path) -> None:
             check["config"]["inject"] = []
     doc["env"]["sections"]["versions"]["torch"] = "1.13.0"
     (copy / "report.json").write_text(json.dumps(doc))
-    result = CliRunner().invoke(cli, ["replay", str(copy)])
+    result = invoke(["replay", str(copy)])
     assert result.exit_code == 1, result.output
     assert "replay of" in result.output and "DIFFERS" in result.output
     assert "fails on the reporter's machine, passes here: hardware-specific" in result.output
@@ -320,7 +313,6 @@ def test_replay_says_what_differs(seed_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_replay_rejects_damaged_and_newer_bundles(seed_bundle: Path, tmp_path: Path) -> None:
-    runner = CliRunner()
     cases = {}
     newer = tmp_path / "newer"
     shutil.copytree(seed_bundle, newer)
@@ -339,26 +331,26 @@ def test_replay_rejects_damaged_and_newer_bundles(seed_bundle: Path, tmp_path: P
     empty.mkdir()
     cases[empty] = "no report.json"
     for path, message in cases.items():
-        result = runner.invoke(cli, ["replay", str(path)])
+        result = invoke(["replay", str(path)])
         assert result.exit_code == 2 and message in result.output, (path, result.output)
 
 
 def test_zip_bundle_replays(tmp_path: Path) -> None:
     out = tmp_path / "r.zip"
-    result = CliRunner().invoke(cli, ["report", "--checks", "env,gradcheck", "-o", str(out)])
+    result = invoke(["report", "--checks", "env,gradcheck", "-o", str(out)])
     assert result.exit_code == 0, result.output
     with zipfile.ZipFile(out) as archive:
         assert {"report.json", "REPORT.md"} <= set(
             archive.namelist()
         ) and "repro.py" not in archive.namelist()
     assert read_bundle(out).document["schema"] == "gpudiag.report/1"
-    result = CliRunner().invoke(cli, ["replay", str(out)])
+    result = invoke(["replay", str(out)])
     assert result.exit_code == 0, result.output
 
 
 @pytest.mark.usefixtures("no_gpu")
 def test_doctor_without_gpus(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "b"), "--format", "json"])
+    result = invoke(["doctor", "-o", str(tmp_path / "b"), "--format", "json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["schema"] == "gpudiag.doctor/1" and doc["bundle"] == str(tmp_path / "b")
@@ -376,7 +368,7 @@ def test_doctor_without_gpus(tmp_path: Path) -> None:
     assert "not enough GPUs (fewer than 2 CUDA GPUs" in peer["headline"]
     simulated = {c["name"] for c in doc["checks"] if c["simulated"]}
     assert simulated == {"gradcheck"} and "gradcheck ran on CPU virtual devices" in doc["simulation"]
-    text = CliRunner().invoke(cli, ["doctor", "-o", str(tmp_path / "c")])
+    text = invoke(["doctor", "-o", str(tmp_path / "c")])
     assert text.exit_code == 0
     assert "gpudiag doctor --machine topo.txt" in text.stdout and "Skipped" in text.stdout
     assert "[4/6] gradcheck: pass" in text.stderr
@@ -386,8 +378,7 @@ def test_doctor_without_gpus(tmp_path: Path) -> None:
 
 
 def test_doctor_on_a_capture_finds_the_broken_link(tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        cli,
+    result = invoke(
         [
             "doctor",
             "--machine",
@@ -415,7 +406,7 @@ def test_doctor_on_a_capture_says_simulated_and_rehearsal(tmp_path: Path) -> Non
     """Issue 17: `doctor --machine topo.txt` printed `peer pass …` and `nancheck pass …` as if
     the captured machine had been tested, and an --inject run did not say it was a rehearsal."""
     args = ["doctor", "--machine", SEED_CAPTURE, "--checks", "topology,peer,nancheck", "--pairs", "0-1"]
-    text = CliRunner().invoke(cli, [*args, "--inject", "0->1:nan@2", "--no-bundle"])
+    text = invoke([*args, "--inject", "0->1:nan@2", "--no-bundle"])
     assert text.exit_code == 1, text.output
     lines = text.stdout.splitlines()
     assert lines[0].startswith("Rehearsal with injected faults (--inject 0->1:nan@2)")
@@ -423,7 +414,7 @@ def test_doctor_on_a_capture_says_simulated_and_rehearsal(tmp_path: Path) -> Non
     rows = {line.split()[0]: line for line in lines if line.startswith(" ")}
     assert " warning " in rows["topology"] and "simulated" not in rows["topology"]  # the capture's own data
     assert "fail (simulated)" in rows["nancheck"] and "pass (simulated)" in rows["peer"]
-    doc = json.loads(CliRunner().invoke(cli, [*args, "--format", "json", "--no-bundle"]).stdout)
+    doc = json.loads(invoke([*args, "--format", "json", "--no-bundle"]).stdout)
     checks = {c["name"]: c for c in doc["checks"]}
     assert (checks["peer"]["status"], checks["peer"]["simulated"]) == ("pass", True)
     assert checks["nancheck"]["simulated"] is True and checks["topology"]["simulated"] is False
@@ -469,8 +460,8 @@ def test_command_lines_and_plan() -> None:
 
 @pytest.mark.gpu
 def test_doctor_on_a_gpu_machine(tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        cli, ["doctor", "--checks", "env,gradcheck,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
+    result = invoke(
+        ["doctor", "--checks", "env,gradcheck,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
     )
     assert result.exit_code == 0, result.output
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
@@ -481,22 +472,22 @@ def test_doctor_on_a_gpu_machine(tmp_path: Path) -> None:
 
 def test_pairs_limit_peer_and_nancheck(tmp_path: Path) -> None:
     args = ["doctor", "--machine", SEED_CAPTURE, "--checks", "peer,nancheck", "--format", "json"]
-    result = CliRunner().invoke(cli, [*args, "--pairs", "5-6", "-o", str(tmp_path / "b")])
+    result = invoke([*args, "--pairs", "5-6", "-o", str(tmp_path / "b")])
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "b" / "report.json").read_text())
     checks = {c["name"]: c for c in doc["checks"]}
     assert [(p["src"], p["dst"]) for p in checks["peer"]["result"]["pairs"]] == [(5, 6), (6, 5)]
     assert [(p["a"], p["b"]) for p in checks["nancheck"]["result"]["pairs"]] == [(5, 6)]
     assert "--pairs 5-6" in checks["nancheck"]["command"]
-    result = CliRunner().invoke(cli, [*args, "--pairs", "5-9", "-o", str(tmp_path / "c")])
+    result = invoke([*args, "--pairs", "5-9", "-o", str(tmp_path / "c")])
     assert result.exit_code == 2 and "no GPU 9 here" in result.output and not (tmp_path / "c").exists()
 
 
 @pytest.mark.usefixtures("no_gpu")
 def test_doctor_reads_the_topology_from_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(HERE / "data/nvml/a100_4gpu_fabric_down.json"))
-    result = CliRunner().invoke(
-        cli, ["doctor", "--checks", "topology,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
+    monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(NVML / "a100_4gpu_fabric_down.json"))
+    result = invoke(
+        ["doctor", "--checks", "topology,nancheck", "-o", str(tmp_path / "b"), "--format", "json"]
     )
     assert result.exit_code == 0, result.output
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
@@ -534,7 +525,7 @@ def test_anonymized_bundles_are_json_and_replay(tmp_path: Path, monkeypatch: pyt
     for name in ("anon", "anon.zip"):
         out = tmp_path / name
         args = ["report", "--anonymize", "--machine", FOUR_GPUS, "--checks", "env,topology", "-o", str(out)]
-        result = CliRunner().invoke(cli, args)
+        result = invoke(args)
         assert result.exit_code == 0, result.output
         files = bundle_bytes(out)
         for file, data in files.items():
@@ -543,7 +534,7 @@ def test_anonymized_bundles_are_json_and_replay(tmp_path: Path, monkeypatch: pyt
         variables = json.loads(files["report.json"])["env"]["sections"]["variables"]
         assert variables["NCCL_DEBUG_FILE"] == "/home/<user>"
         assert variables["NCCL_TOPO_FILE"] == "/home/<user>/topo.xml"
-        result = CliRunner().invoke(cli, ["replay", str(out)])
+        result = invoke(["replay", str(out)])
         assert result.exit_code == 0, result.output
 
 
@@ -555,7 +546,7 @@ def test_replay_runs_no_code_the_bundle_names(tmp_path: Path) -> None:
     bundle = write_doc(
         tmp_path / "b", [gradcheck_entry(model=f"{evil}:build"), {**gradcheck_entry(model="this:x")}]
     )
-    result = CliRunner().invoke(cli, ["replay", str(bundle), "--format", "json"])
+    result = invoke(["replay", str(bundle), "--format", "json"])
     assert result.exit_code == 0, result.output
     assert not marker.exists() and "Zen of Python" not in result.output
     doc = json.loads(result.output)
@@ -565,7 +556,7 @@ def test_replay_runs_no_code_the_bundle_names(tmp_path: Path) -> None:
     assert f"--model '{evil}:build' would run the Python file {evil}" in notes[0]
     assert "--model 'this:x' would import the module this" in notes[1]
     assert all("--trust-bundle" in note for note in notes)
-    result = CliRunner().invoke(cli, ["replay", str(bundle), "--trust-bundle"])
+    result = invoke(["replay", str(bundle), "--trust-bundle"])
     assert marker.exists()  # with the flag it runs (and this file has no factory: a difference)
     assert result.exit_code == 1, result.output
 
@@ -597,7 +588,7 @@ def test_replay_reads_bundles_within_limits(tmp_path: Path, monkeypatch: pytest.
         many: "it holds 2001 files",
     }
     for path, message in cases.items():
-        result = CliRunner().invoke(cli, ["replay", str(path)])
+        result = invoke(["replay", str(path)])
         assert result.exit_code == 2, (path, result.output)
         assert message in result.output and result.output.count("\n") == 1, result.output
     # Folders: limits lowered here to keep the test small.
@@ -609,7 +600,7 @@ def test_replay_reads_bundles_within_limits(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(bundle_module, "MAX_FILE_BYTES", (1 << 20) - 1)
     monkeypatch.setattr(bundle_module, "MAX_FILES", 4)
     for path, message in {big: "trace.json holds 1048576 bytes", crowded: "more than 4 files"}.items():
-        result = CliRunner().invoke(cli, ["replay", str(path)])
+        result = invoke(["replay", str(path)])
         assert result.exit_code == 2 and message in result.output, (path, result.output)
     # Only regular files are read: no FIFO (a read would block), no link out of the folder.
     odd = tmp_path / "odd"
@@ -617,7 +608,7 @@ def test_replay_reads_bundles_within_limits(tmp_path: Path, monkeypatch: pytest.
     os.mkfifo(odd / "report.json")
     outside = write_doc(tmp_path / "outside", [])
     (odd / "logs").symlink_to(outside)
-    result = CliRunner().invoke(cli, ["replay", str(odd)])
+    result = invoke(["replay", str(odd)])
     assert result.exit_code == 2 and "no report.json" in result.output
 
 
@@ -644,7 +635,7 @@ def test_replay_skips_what_cannot_run_here(tmp_path: Path) -> None:
     gradcheck = gradcheck_entry()
     gradcheck["result"] = {"config": {"devices": {"kind": "cuda", "ids": [0, 1]}}, "comparisons": []}
     bundle = write_doc(tmp_path / "b", [peer, topology, gradcheck])
-    result = CliRunner().invoke(cli, ["replay", str(bundle), "--format", "json"])
+    result = invoke(["replay", str(bundle), "--format", "json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert [c["here"]["status"] for c in doc["checks"]] == ["skipped"] * 3
@@ -685,7 +676,7 @@ def test_replay_rejects_fields_of_the_wrong_type(tmp_path: Path) -> None:
     }
     for i, (message, checks) in enumerate(cases.items()):
         bundle = write_doc(tmp_path / str(i), checks)
-        result = CliRunner().invoke(cli, ["replay", str(bundle)])
+        result = invoke(["replay", str(bundle)])
         assert result.exit_code == 2 and message in result.output, (message, result.output)
         assert result.output.count("\n") == 1
 
@@ -854,7 +845,7 @@ def test_replay_fuzz(
         target.mkdir()
         (target / "report.json").write_bytes(content)  # type: ignore[arg-type]
     start = time.monotonic()
-    result = CliRunner().invoke(cli, ["replay", str(target), "--format", "json"])
+    result = invoke(["replay", str(target), "--format", "json"])
     assert time.monotonic() - start < 10
     assert result.exit_code in (0, 1, 2, 3), result.output
     assert "internal error" not in result.output, result.output
@@ -866,7 +857,7 @@ def test_replay_fuzz(
 def test_each_check_gets_only_the_injections_it_can_fire() -> None:
     from gpudiag.checks.suite import Here, plan
 
-    here = Here.detect(str(Path(__file__).parents[1] / "diag" / "examples" / "seed_8gpu_topo.txt"))
+    here = Here.detect(str(SEED_TOPO))
     configs = {name: config for name, config, _ in plan(here, inject=("5->6:nan@3", "0->1:zero"))}
     assert configs["gradcheck"]["inject"] == ["0->1:zero"]  # world size 2: ranks 0 and 1
     assert configs["nancheck"]["inject"] == ["5->6:nan@3", "0->1:zero"]

@@ -17,9 +17,8 @@ import torch
 from gpudiag.errors import InputError
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
 from gpudiag.runtime.launch import launch
-from tests.helpers import models
+from tests.helpers import ROOT, models
 
-ROOT = Path(__file__).parent.parent
 TWO = DeviceSet.virtual(2)
 
 

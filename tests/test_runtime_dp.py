@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -13,9 +11,10 @@ from gpudiag.runtime import DeviceSet, RunConfig, run
 from gpudiag.runtime.dp import chunk_count, dp_forward
 from gpudiag.runtime.record import Recorder
 from gpudiag.runtime.transport import Transport
+from tests import helpers
 from tests.helpers import models
 
-SEED_MACHINE = load_machine(str(Path(__file__).resolve().parents[1] / "diag/examples/seed_8gpu_machine.json"))
+SEED_MACHINE = load_machine(str(helpers.SEED_MACHINE))
 
 
 close = models.assert_close_dicts

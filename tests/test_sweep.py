@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.hosts import expand_nodelist, expected_hosts
 from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, PROBLEM, judge
@@ -19,6 +17,7 @@ from gpudiag.repro.sweep.links import first_round, judge_round, next_round
 from gpudiag.repro.sweep.problems import leave_one_out_medians, median
 from gpudiag.repro.sweep.results import NODE_SCHEMA, RESULTS, RULES, RUN, RUN_SCHEMA, results_jsonl
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, check_baseline, check_rules, load_rules
+from tests.helpers import SEED_MACHINE, codes, invoke
 from tests.helpers.procfs import children
 
 
@@ -55,8 +54,9 @@ def by_host(verdict: Any) -> dict[str, Any]:
     return {v.host: v for v in verdict.nodes}
 
 
-def codes(verdict: Any, host: str) -> list[str]:
-    return [p.code for p in by_host(verdict)[host].problems]
+def host_codes(verdict: Any, host: str) -> list[str]:
+    """The problem codes the sweep's verdict gives ``host``."""
+    return codes(by_host(verdict)[host])
 
 
 def test_leave_one_out_median_equals_the_median_of_the_others() -> None:
@@ -87,13 +87,15 @@ def test_each_kind_of_outlier_is_named_and_nobody_else() -> None:
     )
     records[7] = node(7, allreduce={"ok": False, "wrong": 3, "expected": 55.0})
     verdict = judge(records, expected_hosts=[f"node{i}" for i in range(11)])
-    assert codes(verdict, "node2") == ["node-figure-low"]
-    assert codes(verdict, "node3") == ["node-version-differs"]
-    assert codes(verdict, "node4") == ["node-topology-differs"]
-    assert codes(verdict, "node5") == ["node-fewer-gpus"]
-    assert codes(verdict, "node6") == ["node-check-failed"]
-    assert codes(verdict, "node7") == ["node-allreduce-wrong"]
-    assert by_host(verdict)["node10"].status == NO_RESULT and codes(verdict, "node10") == ["node-missing"]
+    assert host_codes(verdict, "node2") == ["node-figure-low"]
+    assert host_codes(verdict, "node3") == ["node-version-differs"]
+    assert host_codes(verdict, "node4") == ["node-topology-differs"]
+    assert host_codes(verdict, "node5") == ["node-fewer-gpus"]
+    assert host_codes(verdict, "node6") == ["node-check-failed"]
+    assert host_codes(verdict, "node7") == ["node-allreduce-wrong"]
+    assert by_host(verdict)["node10"].status == NO_RESULT and host_codes(verdict, "node10") == [
+        "node-missing"
+    ]
     assert {v.host for v in verdict.named} == {f"node{i}" for i in (2, 3, 4, 5, 6, 7, 10)}
     low = by_host(verdict)["node2"].problems[0]
     assert low.measured == 250.0 and "0.8" in low.expected  # expected vs measured
@@ -103,14 +105,14 @@ def test_each_kind_of_outlier_is_named_and_nobody_else() -> None:
 def test_rules_change_the_threshold_and_a_baseline_judges_a_lone_type() -> None:
     records = [node(i) for i in range(4)]
     records[1] = node(1, figures={"intra_busbw_gbps": 300.0})  # 25 % below
-    assert codes(judge(records), "node1") == ["node-figure-low"]
+    assert host_codes(judge(records), "node1") == ["node-figure-low"]
     rules = check_rules({"figures": {"intra_busbw_gbps": {"min_fraction_of_median": 0.5}}})
     assert judge(records, rules=rules).exit_code == 0
     baseline = check_baseline(
         {"schema": "gpudiag.sweep-baseline/1", "machine_types": {"8x H100": {"intra_busbw_gbps": 450.0}}}
     )
     verdict = judge(records, rules=rules, baseline=baseline)
-    assert codes(verdict, "node1") == ["node-below-baseline"]  # 300 < 0.8 × 450; 400+ is not
+    assert host_codes(verdict, "node1") == ["node-below-baseline"]  # 300 < 0.8 × 450; 400+ is not
 
 
 def test_bad_rules_and_baselines_are_input_errors(tmp_path: Path) -> None:
@@ -169,8 +171,8 @@ def test_pairwise_link_test_names_the_slow_and_the_corrupting_node_and_clears_th
     records = _pair_test(list(range(8)), slow={3}, corrupt={6})
     assert max(e["round"] for r in records for e in r["pairs"]) == 2  # O(1) rounds here
     verdict = judge(records)
-    assert codes(verdict, "node3") == ["node-link-slow"]
-    assert codes(verdict, "node6") == ["node-link-corrupt"]
+    assert host_codes(verdict, "node3") == ["node-link-slow"]
+    assert host_codes(verdict, "node6") == ["node-link-corrupt"]
     assert {v.host for v in verdict.named} == {"node3", "node6"}
     assert any("cleared" in n for n in by_host(verdict)["node2"].notes)  # slow with node3 in round 1
     assert any("cleared" in n for n in by_host(verdict)["node7"].notes)
@@ -181,7 +183,7 @@ def test_pairwise_link_test_names_the_slow_and_the_corrupting_node_and_clears_th
 def test_odd_fleet_pairs_the_last_node_in_round_two() -> None:
     assert first_round([0, 1, 2, 3, 4]) == [(0, 1), (2, 3)]
     records = _pair_test(list(range(5)), slow={4}, corrupt=set())
-    assert codes(judge(records), "node4") == ["node-link-slow"]
+    assert host_codes(judge(records), "node4") == ["node-link-slow"]
     assert not judge(_pair_test(list(range(5)), slow=set(), corrupt=set())).named
 
 
@@ -196,21 +198,19 @@ def test_summary_rejudges_a_folder_from_the_command_line(tmp_path: Path) -> None
     records = [node(i) for i in range(5)]
     records[1] = node(1, figures={"intra_busbw_gbps": 100.0})
     _write_sweep(tmp_path / "sweep", records, [f"node{i}" for i in range(6)])
-    runner = CliRunner()
-    result = runner.invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--format", "json"])
+    result = invoke(["sweep", "--summary", str(tmp_path / "sweep"), "--format", "json"])
     assert result.exit_code == 1, result.output
     doc = json.loads(result.stdout)
     assert doc["schema"] == "gpudiag.sweep/1" and doc["problem"] == 1 and doc["no_result"] == 1
     named = {n["host"]: n for n in doc["nodes"] if n["status"] != HEALTHY}
     assert named["node1"]["status"] == PROBLEM and named["node5"]["status"] == NO_RESULT
-    text = runner.invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep")]).stdout
+    text = invoke(["sweep", "--summary", str(tmp_path / "sweep")]).stdout
     assert "node1: problem: node-figure-low" in text and "node5: no result: node-missing" in text
-    md = runner.invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--format", "markdown"]).stdout
+    md = invoke(["sweep", "--summary", str(tmp_path / "sweep"), "--format", "markdown"]).stdout
     assert md.startswith("# gpudiag sweep: 6 node(s): 4 healthy, 1 problem, 1 no result")
     rules = tmp_path / "loose.json"
     rules.write_text(json.dumps({"figures": {"intra_busbw_gbps": {"min_fraction_of_median": 0.2}}}))
-    again = runner.invoke(
-        cli,
+    again = invoke(
         ["sweep", "--summary", str(tmp_path / "sweep"), "--rules", str(rules), "--expect-hosts", "node[0-4]"],
     )
     assert again.exit_code == 0, again.output
@@ -220,9 +220,9 @@ def test_a_damaged_results_line_is_exit_2_naming_the_line(tmp_path: Path) -> Non
     _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
     path = tmp_path / "sweep" / RESULTS
     path.write_text(path.read_text() + '{"schema": "gpudiag.sweep-node/1", "host": 3}\n')
-    result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep")])
+    result = invoke(["sweep", "--summary", str(tmp_path / "sweep")])
     assert result.exit_code == 2 and "results.jsonl:3" in result.stderr
-    missing = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "nothing")])
+    missing = invoke(["sweep", "--summary", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "not a gpudiag sweep folder" in missing.stderr
 
 
@@ -250,7 +250,6 @@ def test_missing_nodes_are_named_by_host_or_by_number() -> None:
 @pytest.mark.usefixtures("no_gpu")
 def test_bad_usage_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()
-    runner = CliRunner()
     for args, message in (
         (["--expect-hosts", "node[1-"], "unbalanced"),
         (["-o", str(tmp_path / "taken")], "exists; pass --force"),
@@ -258,11 +257,11 @@ def test_bad_usage_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -
         (["--rules", str(tmp_path / "none.json")], "cannot read it"),
         (["--inject", "0->1:melt"], "--inject"),
     ):
-        result = runner.invoke(cli, ["sweep", "-o", str(tmp_path / "out"), *args])
+        result = invoke(["sweep", "-o", str(tmp_path / "out"), *args])
         assert result.exit_code == 2, (args, result.output)
         assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
-    nccl = runner.invoke(cli, ["sweep", "-o", str(tmp_path / "out"), "--backend", "nccl"])
+    nccl = invoke(["sweep", "-o", str(tmp_path / "out"), "--backend", "nccl"])
     assert nccl.exit_code == 3 and "needs a CUDA GPU" in nccl.stderr
 
 
@@ -273,7 +272,7 @@ def test_host_facts_that_differ_from_the_majority_are_named() -> None:
     records[3] = node(3, host_facts={**facts, "iommu": "translated"})
     records[4] = node(4, host_facts=None)  # env did not run there: nothing to compare
     verdict = judge(records)
-    assert {v.host: codes(verdict, v.host) for v in verdict.named} == {
+    assert {v.host: host_codes(verdict, v.host) for v in verdict.named} == {
         "node1": ["node-host-differs"],
         "node3": ["node-host-differs"],
     }
@@ -291,7 +290,7 @@ def test_alone_the_sweep_is_a_fleet_of_one_and_leaves_the_environment_as_it_was(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GPUDIAG_HOSTNAME", "solo")
     before = dict(os.environ)
-    seed = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+    seed = SEED_MACHINE
     doc = json.loads(seed.read_text())
     doc["labels"], doc["gpus"] = doc["labels"][:2], doc["gpus"][:2]
     doc["matrix"] = [["X", "NV4"], ["NV4", "X"]]
@@ -313,10 +312,10 @@ def test_two_nodes_that_disagree_are_both_named_not_a_made_up_majority() -> None
     versions = node(1)["versions"]
     verdict = judge([node(0), node(1, versions={**versions, "torch": "2.0"}, host_facts={"iommu": "on"})])
     for host in ("node0", "node1"):
-        assert "node-version-differs" in codes(verdict, host)
+        assert "node-version-differs" in host_codes(verdict, host)
     assert "no majority" in by_host(verdict)["node1"].problems[0].message
     assert verdict.exit_code == 1
-    assert "node-fewer-gpus" in codes(judge([node(0), node(1, gpus=4)]), "node1")  # fewer than the most
+    assert "node-fewer-gpus" in host_codes(judge([node(0), node(1, gpus=4)]), "node1")  # fewer than the most
 
 
 def test_simulated_figures_are_not_judged_unless_the_rules_ask() -> None:
@@ -324,7 +323,7 @@ def test_simulated_figures_are_not_judged_unless_the_rules_ask() -> None:
     records[2] = node(2, simulated=True, figures={"intra_busbw_gbps": 1.0})
     assert judge(records).exit_code == 0
     asked = check_rules({"judge_simulated_figures": True})
-    assert codes(judge(records, rules=asked), "node2") == ["node-figure-low"]
+    assert host_codes(judge(records, rules=asked), "node2") == ["node-figure-low"]
     pair = [node(0), node(1, figures={"pair_busbw_gbps": 1.0})]  # one link seen from both ends
     assert judge(pair).exit_code == 0
 
@@ -348,17 +347,17 @@ def test_wrongly_typed_records_are_exit_2_naming_the_field(tmp_path: Path, chang
     rec.update(change)
     path = tmp_path / RESULTS
     path.write_text(json.dumps(node(0)) + "\n" + json.dumps(rec) + "\n")
-    result = CliRunner().invoke(cli, ["sweep", "--summary", str(path), "--format", "markdown"])
+    result = invoke(["sweep", "--summary", str(path), "--format", "markdown"])
     assert result.exit_code == 2 and f"{RESULTS}:2" in result.stderr, result.output
     path.write_text("")
-    empty = CliRunner().invoke(cli, ["sweep", "--summary", str(path)])
+    empty = invoke(["sweep", "--summary", str(path)])
     assert empty.exit_code == 2 and "no node records" in empty.stderr
 
 
 @pytest.mark.parametrize("hosts", ["", " ", ",", "node0 node1"])
 def test_an_expect_hosts_list_that_names_no_host_is_exit_2(tmp_path: Path, hosts: str) -> None:
     _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
-    result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--expect-hosts", hosts])
+    result = invoke(["sweep", "--summary", str(tmp_path / "sweep"), "--expect-hosts", hosts])
     assert result.exit_code == 2 and "--expect-hosts" in result.stderr, result.output
 
 
@@ -369,7 +368,7 @@ def test_a_node_with_no_gpu_and_no_machine_file_is_never_healthy(
     from gpudiag.repro.sweep.node import Identity, SweepOptions, local_phase
 
     monkeypatch.setenv("GPUDIAG_HOSTNAME", "bare")
-    alone = CliRunner().invoke(cli, ["sweep", "-o", str(tmp_path / "out"), "--quick"])
+    alone = invoke(["sweep", "-o", str(tmp_path / "out"), "--quick"])
     assert alone.exit_code == 3, alone.output
     assert alone.stderr.count("\n") == 1 and "no CUDA GPU here" in alone.stderr
     assert not (tmp_path / "out").exists()
@@ -379,7 +378,7 @@ def test_a_node_with_no_gpu_and_no_machine_file_is_never_healthy(
     assert record["gpus"] == 0 and record["simulated"] is False
     verdict = judge([node(0, gpus=0, simulated=False), record])
     assert by_host(verdict)["bare"].status == PROBLEM
-    assert "node-no-gpus" in codes(verdict, "bare") and "node-no-gpus" in codes(verdict, "node0")
+    assert "node-no-gpus" in host_codes(verdict, "bare") and "node-no-gpus" in host_codes(verdict, "node0")
     assert verdict.exit_code == 1 and verdict.simulated is False
 
 
@@ -411,7 +410,7 @@ def test_flight_recorder_dumps_land_in_the_node_bundle_and_the_scratch_folder_go
         return real(*args)
 
     monkeypatch.setattr(node_module, "intra_busbw", collectives_that_dump)
-    seed = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+    seed = SEED_MACHINE
     doc = json.loads(seed.read_text())
     doc["labels"], doc["gpus"], doc["matrix"] = (
         doc["labels"][:2],
@@ -444,7 +443,7 @@ def test_flight_recorder_dumps_land_in_the_node_bundle_and_the_scratch_folder_go
 
 
 def _two_gpu_machine(folder: Path) -> Path:
-    seed = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+    seed = SEED_MACHINE
     doc = json.loads(seed.read_text())
     doc["labels"], doc["gpus"], doc["matrix"] = (
         doc["labels"][:2],
@@ -603,8 +602,8 @@ def test_a_bad_baseline_file_is_one_line_exit_2_naming_what_is_wrong(
 ) -> None:
     _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
     (tmp_path / "baseline.json").write_text(text)
-    result = CliRunner().invoke(
-        cli, ["sweep", "--summary", str(tmp_path / "sweep"), "--baseline", str(tmp_path / "baseline.json")]
+    result = invoke(
+        ["sweep", "--summary", str(tmp_path / "sweep"), "--baseline", str(tmp_path / "baseline.json")]
     )
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and "baseline file" in result.stderr and named in result.stderr, (
@@ -634,7 +633,7 @@ def test_rules_name_the_bad_sub_key_with_its_section(rules: dict[str, Any], name
 def test_a_fleet_smaller_than_min_nodes_says_the_figure_was_not_judged() -> None:
     records = [node(i) for i in range(4)]
     records[1] = node(1, figures={"intra_busbw_gbps": 10.0})
-    assert codes(judge(records), "node1") == ["node-figure-low"]
+    assert host_codes(judge(records), "node1") == ["node-figure-low"]
     verdict = judge(records, rules=check_rules({"min_nodes": 5}))
     assert verdict.exit_code == 0
     assert (
@@ -715,7 +714,7 @@ def test_summary_shows_mappings_as_key_value_items_not_a_dict_repr() -> None:
 )
 def test_summary_refuses_the_options_only_a_run_uses(tmp_path: Path, args: list[str], flag: str) -> None:
     _write_sweep(tmp_path / "sweep", [node(0), node(1)], [])
-    result = CliRunner().invoke(cli, ["sweep", "--summary", str(tmp_path / "sweep"), *args])
+    result = invoke(["sweep", "--summary", str(tmp_path / "sweep"), *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"gpudiag: error: {flag} does not apply to --summary")
     assert result.stderr.count("\n") == 1
@@ -729,7 +728,7 @@ def test_host_names_are_compared_without_case() -> None:
     verdict = judge(records, expected_hosts=["node0", "node1", "node2"])
     assert [(v.host, v.status) for v in verdict.named] == [("node2", NO_RESULT)]  # node0, node1 joined
     twins = judge([node(0, host="node7"), node(1, host="NODE7"), node(2)])
-    assert codes(twins, "node7") == ["node-host-duplicate"] and codes(twins, "NODE7") == [
+    assert host_codes(twins, "node7") == ["node-host-duplicate"] and host_codes(twins, "NODE7") == [
         "node-host-duplicate"
     ]
 

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from gpudiag.repro.sweep.rehearse import LOOSE_RULES, Node, rehearse
+from tests.helpers import SEED_MACHINE
 
 SECRET = "wandb-0123456789abcdef0123456789abcdef"
-SEED = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+SEED = SEED_MACHINE
 
 
 def machine(folder: Path, gpus: int = 2, link: str = "NV4") -> str:

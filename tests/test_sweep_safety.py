@@ -13,18 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.run import SweepOptions, SweepRun, sweep
+from tests.helpers import invoke
 from tests.test_sweep import _every_written_byte, _two_gpu_machine, _write_sweep, node
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
 
 def _summary(folder: Path, *args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, ["sweep", "--summary", str(folder), *args])
+    result = invoke(["sweep", "--summary", str(folder), *args])
     return result.exit_code, result.stderr
 
 
@@ -110,8 +109,8 @@ def _solo(tmp_path: Path, output: Path, *, force: bool = False) -> SweepRun:
 
 
 def _invoke_force(output: Path) -> tuple[int, str]:
-    result = CliRunner().invoke(
-        cli, ["sweep", "-o", str(output), "--force", "--quick", "--checks", "env", "--machine", "x.json"]
+    result = invoke(
+        ["sweep", "-o", str(output), "--force", "--quick", "--checks", "env", "--machine", "x.json"]
     )
     return result.exit_code, result.stderr
 
@@ -210,7 +209,7 @@ def test_anonymize_masks_the_real_host_name_when_gpudiag_hostname_is_set(
     out = tmp_path / "sweep"
     machine = str(_two_gpu_machine(tmp_path))
     args = ["-o", str(out), "--quick", "--checks", "env", "--anonymize", "--format", "markdown"]
-    result = CliRunner().invoke(cli, ["sweep", *args, "--machine", machine])
+    result = invoke(["sweep", *args, "--machine", machine])
     assert result.exit_code in (0, 1), result.output
     files = _every_written_byte(out)
     assert any(name.endswith("results.jsonl") for name in files) and any(":report.json" in n for n in files)

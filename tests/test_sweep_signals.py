@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import SEED_MACHINE
 from tests.helpers.procfs import session_processes
 
-SEED = Path(__file__).resolve().parents[1] / "diag" / "examples" / "seed_8gpu_machine.json"
+SEED = SEED_MACHINE
 
 #: Runs ``gpudiag sweep`` with a hook that sends the signal (argv[1]: INT or TERM, to this
 #: process or its group) as the first rank is forked: in the parent, after the fork.

@@ -6,18 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gpudiag.cli import cli
 from gpudiag.repro.sweep.node import Identity, SweepOptions, local_phase
 from gpudiag.repro.sweep.run import stall_cannot_fire
+from tests.helpers import SEED_MACHINE, invoke
 
 
 @pytest.mark.usefixtures("no_gpu")
 def test_a_stall_outside_torchrun_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    machine = Path(__file__).resolve().parent.parent / "diag" / "examples" / "seed_8gpu_machine.json"
+    machine = SEED_MACHINE
     args = ["sweep", "-o", str(tmp_path / "out"), "--machine", str(machine), "--quick"]
-    out = CliRunner().invoke(cli, [*args, "--inject-stall", "allreduce-all"])  # (it ran, exit 0)
+    out = invoke([*args, "--inject-stall", "allreduce-all"])  # (it ran, exit 0)
     assert out.exit_code == 2, out.output
     assert "cannot fire here" in out.stderr and out.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 
 def test_flight_recorder_dump_is_none_where_torch_has_no_recorder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -96,7 +98,7 @@ def test_the_scan_finds_a_typed_private_attribute() -> None:
 def test_no_private_torch_attribute_is_typed_against_one_version() -> None:
     """mypy checks attribute reads against the installed torch's stubs, so a private name
     present in one version and not another fails ``make test`` on the other (issue 35)."""
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     found = [
         f"{path.relative_to(root)}:{hit}"
         for folder in ("diag", "checks", "repro")

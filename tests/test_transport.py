@@ -4,16 +4,12 @@ findings only where the log and topology show a slower path."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from gpudiag.hw.sources import read_machine_or_capture
 from gpudiag.transport.analysis import TransportReport, analyze
 from gpudiag.transport.reader import busid_from_nccl, read_log, transport_family
-
-NCCL = Path(__file__).parent / "data" / "nccl"
-TOPO = Path(__file__).parent / "data" / "topo"
+from tests.helpers import NCCL, TOPO
 
 
 def report(*names: str, machine: str | None = None, text: str | None = None) -> TransportReport:

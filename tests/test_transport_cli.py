@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpudiag.cli import cli
-from tests.test_transport import NCCL, TOPO
+from tests.helpers import NCCL, TOPO
 
 SHM_LOG = str(NCCL / "nccl1817_shm_and_p2p_direct_one_process.log")
 NV18 = str(TOPO / "h100_8gpu_nv18_8nic_spaces.txt")

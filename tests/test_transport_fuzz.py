@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpudiag.transport.analysis import analyze
 from gpudiag.transport.reader import NcclLog, read_log
-from tests.test_transport import NCCL
+from tests.helpers import NCCL
 
 LOGS = {p.name: p.read_text(encoding="utf-8") for p in sorted(NCCL.glob("*.log"))}
 SETTINGS = settings(

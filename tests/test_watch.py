@@ -19,7 +19,7 @@ from torch import nn
 import gpudiag
 from gpudiag.runtime.launch import launch
 from gpudiag.watch import NonFiniteError, read_records
-from tests.helpers import models
+from tests.helpers import ROOT, models
 
 
 class Net(nn.Module):
@@ -513,7 +513,7 @@ def test_ddp_under_torchrun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
-    root = Path(__file__).parent.parent
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     job = [str(torchrun), "--standalone", "--nproc-per-node=2", str(root / "tests" / "watch_torchrun_job.py")]
     out = subprocess.run(

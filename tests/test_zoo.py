@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-ZOO_PATH = Path(__file__).resolve().parents[1] / "bench" / "zoo.py"
+from tests.helpers import ROOT
+
+ZOO_PATH = ROOT / "bench" / "zoo.py"
 
 
 def _load_zoo() -> Any:
