@@ -1,7 +1,7 @@
 """gpudiag: diagnostics and reproducible bug reports for multi-GPU PyTorch training.
 
 Importing this package is cheap and touches no hardware: neither torch nor pynvml is
-imported here (``tests/test_import_hygiene.py`` enforces it). The Python API below is
+imported here (``tests/architecture/test_import_hygiene.py`` enforces it). The Python API below is
 imported on first use (torch with it, where it needs torch):
 
 - ``topology_report(from_file=None, machine=None)`` — ``gpudiag topology``;
