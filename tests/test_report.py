@@ -265,7 +265,7 @@ def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None
         assert result.exit_code == 2, (args, result.output)
         assert message in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # nothing half-written
-    # --force replaces an earlier bundle only (tests/test_outputs.py), not a user's folder
+    # --force replaces an earlier bundle only (tests/cli/test_outputs.py), not a user's folder
     result = invoke(["report", "--checks", "env", "-o", str(existing), "--force"])
     assert result.exit_code == 2 and "not a gpudiag bundle" in result.output
     assert sorted(p.name for p in existing.iterdir()) == ["keep.txt"]

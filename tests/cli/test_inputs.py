@@ -110,7 +110,7 @@ def test_inputs_from_a_file_feed_any_model(tmp_path: Path) -> None:
         [
             "gradcheck",
             "--model",
-            "tests.test_inputs:two_inputs",
+            "tests.cli.test_inputs:two_inputs",
             "--inputs",
             str(batch),
             "--num-classes",
