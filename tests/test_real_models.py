@@ -51,7 +51,7 @@ def check_model(spec: str, monkeypatch: pytest.MonkeyPatch, start: str) -> None:
     assert code == 0 and doc["verdict"] == "pass", codes(doc)
 
 
-@pytest.mark.slow  # (20 s; fresh ranks with many tensors: tests/test_rank_transport.py, in the default run)
+@pytest.mark.slow  # (20 s; fresh ranks with many tensors: core/runtime/test_rank_transport.py, by default)
 def test_resnet50_from_a_file_in_fresh_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A `file.py:factory` spec: the file's module is private to this process, so the
     model travels by value, 320 tensors in one job file."""
@@ -65,7 +65,7 @@ def test_resnet50_by_name_with_forked_ranks(monkeypatch: pytest.MonkeyPatch) -> 
     check_model("torchvision:resnet50?num_classes=10", monkeypatch, "auto")
 
 
-@pytest.mark.slow  # (7 s; a closure in fresh ranks: tests/test_rank_transport.py, in the default run)
+@pytest.mark.slow  # (7 s; a closure in fresh ranks: core/runtime/test_rank_transport.py, by default)
 def test_resnet50_through_the_python_api_with_a_lambda_in_fresh_ranks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,4 +1,4 @@
-"""Run by tests/test_runtime_ddp.py under torchrun: DDP through the runtime's launcher,
+"""Run by tests/core/runtime/test_runtime_ddp.py under torchrun: DDP through the runtime's launcher,
 which joins the torchrun group instead of starting ranks. Rank 0 prints JSON."""
 
 import json

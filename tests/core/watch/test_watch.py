@@ -515,7 +515,12 @@ def test_ddp_under_torchrun(tmp_path: Path) -> None:
         pytest.skip("torchrun is not installed next to this Python")
     root = ROOT
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    job = [str(torchrun), "--standalone", "--nproc-per-node=2", str(root / "tests" / "watch_torchrun_job.py")]
+    job = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node=2",
+        str(Path(__file__).with_name("watch_torchrun_job.py")),
+    ]
     out = subprocess.run(
         [*job, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=180
     )

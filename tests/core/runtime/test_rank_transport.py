@@ -24,8 +24,8 @@ from gpudiag.errors import InputError
 from gpudiag.models import resolve_model
 from gpudiag.runtime.launch import launch
 from gpudiag.runtime.wire import pack, unpack
+from tests.core.runtime.test_runtime_ddp import children
 from tests.helpers import ROOT, models
-from tests.test_runtime_ddp import children
 
 
 def _apply(rank: int, world: int, fn: object, tensors: list[torch.Tensor]) -> bytes:
@@ -148,7 +148,7 @@ def test_a_script_with_main_classes_and_no_main_guard(tmp_path: Path, start: str
 LAUNCHER = """\
 import sys, time
 from gpudiag.runtime.launch import start
-from tests.test_rank_transport import _sleep
+from tests.core.runtime.test_rank_transport import _sleep
 ranks = start(_sleep, 2, method=sys.argv[1], timeout=300)
 time.sleep(0.5)
 print(ranks.folder, " ".join(str(p.pid) for p in ranks.procs), flush=True)

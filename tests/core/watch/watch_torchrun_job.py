@@ -1,4 +1,4 @@
-"""Run by tests/test_watch.py under torchrun: a plain DDP loop over gloo, watched; rank 1's
+"""Run by tests/core/watch/test_watch.py under torchrun: a plain DDP loop over gloo, watched; rank 1's
 ``body.2.lin`` output gets a NaN at step 2. Every rank writes its record into argv[1] and
 prints what NonFiniteError said."""
 
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gpudiag
+from tests.core.watch.test_watch import Net
 from tests.helpers.models import poison
-from tests.test_watch import Net
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

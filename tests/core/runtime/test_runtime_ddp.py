@@ -243,7 +243,7 @@ def test_ranks_are_not_forked_beside_another_thread_or_a_cuda_context(
 def test_two_runs_at_once_do_not_collide() -> None:
     code = (
         "from gpudiag.runtime.launch import launch\n"
-        "from tests.test_runtime_ddp import _rank_bytes\n"
+        "from tests.core.runtime.test_runtime_ddp import _rank_bytes\n"
         "print([r[:] for r in launch(_rank_bytes, 2, timeout=60)])\n"
     )
     procs = [
@@ -263,7 +263,12 @@ def test_torchrun_group_is_joined_instead_of_launching() -> None:
         pytest.skip("torchrun is not installed next to this Python")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node=2", str(ROOT / "tests" / "torchrun_job.py")],
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(Path(__file__).with_name("torchrun_job.py")),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
