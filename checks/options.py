@@ -2,7 +2,7 @@
 their default, their choices or range and their help. From it are derived the click
 options of the command (:func:`click_options`), the Python API's defaults (``GRADCHECK.lr``
 …), the suite's defaults (:func:`suite_defaults`) and the checks a bundle's configuration
-is validated with (``gpudiag.checks.fields``). ``tests/test_options.py`` holds the four equal.
+is validated with (``gpudiag.checks.fields``). ``tests/checks/test_options.py`` holds the four equal.
 
 Plain values only: importing this module imports neither torch nor click.
 """

@@ -135,7 +135,7 @@ def assert_close_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], a
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
 
 
-# -- train-mode behaviour and randomness (tests/test_gradcheck_trainmode.py) ---------------
+# -- train-mode behaviour and randomness (tests/checks/gradcheck/test_gradcheck_trainmode.py) ---------------
 
 
 class Residual(nn.Module):
