@@ -17,7 +17,7 @@ import pytest
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.run import SweepOptions, SweepRun, sweep
 from tests.helpers import invoke
-from tests.test_sweep import _every_written_byte, _two_gpu_machine, _write_sweep, node
+from tests.repro.sweep.test_sweep import _every_written_byte, _two_gpu_machine, _write_sweep, node
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
@@ -298,7 +298,7 @@ def test_a_node_killed_mid_sweep_is_named_and_the_sweep_did_not_finish(tmp_path:
     import tempfile
 
     from gpudiag.repro.sweep.rehearse import Node
-    from tests.test_sweep_nodes import machine, run_nodes
+    from tests.repro.sweep.test_sweep_nodes import machine, run_nodes
 
     def scratch() -> set[str]:
         return {p.name for p in Path(tempfile.gettempdir()).glob("gpudiag-sweep-*")}
@@ -324,7 +324,7 @@ def test_when_rank_0_refuses_the_output_every_node_refuses_at_once(tmp_path: Pat
     import time
 
     from gpudiag.repro.sweep.rehearse import Node, rehearse
-    from tests.test_sweep_nodes import machine
+    from tests.repro.sweep.test_sweep_nodes import machine
 
     taken = tmp_path / "taken"
     taken.mkdir()
