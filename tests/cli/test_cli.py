@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GOLDEN, NVML, SEED_MACHINE, TOPO, invoke
+from tests.helpers import NVML, SEED_MACHINE, TOPO, assert_golden, invoke
 
 SEED = str(TOPO / "seed_8gpu_nv4_pairs_node_sys.txt")
 EXAMPLE_MACHINE = SEED_MACHINE
@@ -96,11 +95,7 @@ def test_markdown_and_dot() -> None:
     ],
 )
 def test_text_output_matches_golden_file(capture: str, golden: str) -> None:
-    output = run("topology", "--from-file", str(TOPO / capture)).output
-    expected = GOLDEN / golden
-    if os.environ.get("GPUDIAG_UPDATE_GOLDEN"):  # regenerate, review the diff, commit
-        expected.write_text(output)
-    assert output == expected.read_text()
+    assert_golden(golden, run("topology", "--from-file", str(TOPO / capture)).output)
 
 
 def test_no_driver_is_exit_3_with_one_line() -> None:

@@ -9,6 +9,8 @@ folder of the layer it tests without breaking another."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,3 +79,22 @@ def invoke_json(*args: str) -> tuple[int, dict[str, Any]]:
     none); an exception inside the command is raised, not hidden in the result."""
     result = invoke([*args, "--format", "json"], catch_exceptions=False)
     return result.exit_code, json_of(result)
+
+
+#: A float at rounding level (below 1e-05 in e-notation, e.g. the relative error of two
+#: correct reduction orders): its digits depend on the CPU's kernels and thread count.
+ROUNDING = re.compile(r"\b\d\.\d+e-(?:0[6-9]|[1-9]\d+)\b")
+
+
+def mask_rounding(text: str) -> str:
+    """``text`` with every rounding-level float written ``<1.0e-05`` (as wide as ``9.04e-08``)."""
+    return ROUNDING.sub("<1.0e-05", text)
+
+
+def assert_golden(name: str, text: str) -> None:
+    """``text`` equals ``tests/golden/NAME``. With ``GPUDIAG_UPDATE_GOLDEN=1`` the file is
+    rewritten first: regenerate, review the diff, commit."""
+    path = GOLDEN / name
+    if os.environ.get("GPUDIAG_UPDATE_GOLDEN"):
+        path.write_text(text, encoding="utf-8")
+    assert text == path.read_text(encoding="utf-8"), f"{path} differs (GPUDIAG_UPDATE_GOLDEN=1 rewrites it)"
