@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 from gpudiag.cli import cli
 from gpudiag.hang import bundled
+from tests.helpers import FR
 
-GLOO = Path(__file__).parent / "data" / "fr" / "gloo"
+GLOO = FR / "gloo"
 #: The verdict's fields replay compares (checks/builtin.py _compare_hang).
 VERDICT = ("verdict", "culprit_ranks", "stuck_ranks", "missing_ranks", "collective", "lines")
 

@@ -21,7 +21,7 @@ from torch import nn
 import gpudiag
 from gpudiag.cli import cli
 from gpudiag.errors import InputError
-from tests.test_hang_run import _port
+from tests.core.hang.test_hang_run import _port
 
 WATCHED = textwrap.dedent(
     """\

@@ -19,9 +19,8 @@ from gpudiag.repro.bundle import read_bundle
 from gpudiag.repro.replay import replay
 from gpudiag.repro.report import run_report, write_bundle
 from gpudiag.transport.bundled import bundled_logs
+from tests.helpers import DATA, NCCL
 
-DATA = Path(__file__).parent / "data"
-NCCL = DATA / "nccl"
 SHM_ON_NVLINK = str(NCCL / "nccl1817_shm_and_p2p_direct_one_process.log")
 NV18 = str(DATA / "topo" / "h100_8gpu_nv18_8nic_spaces.txt")
 TWO_HOSTS = str(NCCL / "nccl1189_h20_2hosts_ib_send_receive_cumem.log")
@@ -139,7 +138,7 @@ def test_the_live_transport_check_bundles_its_ranks_log_and_topology_and_replay_
     project's fake NVSwitch H100. The logs and the topology the pairs were placed on go into
     the bundle, and the recorded configuration reads them: replay on a machine without GPUs
     re-reads them and gets the same pairs and findings."""
-    from tests.test_transport_bench import rank_lines
+    from tests.helpers.nccl_logs import rank_lines
 
     texts = [("\n".join(rank_lines(r, 2)) + "\n", f"launch1-rank{r}.log") for r in range(2)]
     monkeypatch.setattr("gpudiag.transport.live.live_texts", lambda gpus, timeout=120.0: texts)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -26,24 +25,11 @@ from gpudiag.render import render
 from gpudiag.transport.analysis import analyze
 from gpudiag.transport.capture import NcclCapture, read_rank_logs
 from gpudiag.transport.reader import read_log
-from tests import models
+from tests.helpers import DATA, models
+from tests.helpers.nccl_logs import LOG, rank_lines
 
-DATA = Path(__file__).parent / "data"
-LOG = DATA / "nccl" / "nccl1817_shm_and_p2p_direct_one_process.log"
 NV18 = DATA / "topo" / "h100_8gpu_nv18_8nic_spaces.txt"
 NVSWITCH = DATA / "nvml" / "h100_8gpu_nvswitch.json"
-_PRINTER = re.compile(r"\[(\d+)\] NCCL INFO")
-
-
-def rank_lines(rank: int, world: int) -> list[str]:
-    """The real log's lines that rank ``rank`` of ``world`` prints: those of the devices
-    ``d`` with ``d % world == rank`` (a line with no printing device — the cut last one — none)."""
-    out = []
-    for line in LOG.read_text(encoding="utf-8").splitlines():
-        match = _PRINTER.search(line)
-        if match is not None and int(match[1]) % world == rank:
-            out.append(line)
-    return out
 
 
 def pair_table(report: object) -> set[tuple[int, int, str, tuple[int, ...]]]:
