@@ -89,6 +89,9 @@ def main() -> None:
     --input-shape 3,8,8` three times each: 2.48 / 2.33 / 2.27 s with ``os._exit`` against
     3.07 / 3.12 / 3.15 s leaving normally.
     """
+    from gpudiag.gcpause import own
+
+    own()  # (this process is gpudiag's: its pauses may freeze what they imported)
     stop_on_signals()
     try:
         cli(prog_name="gpudiag")

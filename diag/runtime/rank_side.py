@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpudiag.gcpause import paused
+from gpudiag.gcpause import own, paused
 
 Payload = bytes | Sequence[bytes | memoryview]
 
@@ -96,6 +96,7 @@ def rank_main(spec: RankSpec, fn: RankFn | None = None, args: tuple[Any, ...] = 
         _leave_with_parent(spec.parent, folder)
         if spec.logs is not None:
             _log_to(f"{spec.logs}-rank{rank}.log", rank, world_size, backend)
+        own()  # (a rank process is gpudiag's: see gpudiag.gcpause)
         with paused(freeze=True):  # (a fresh interpreter's torch import: see gpudiag.gcpause)
             import torch
             import torch.distributed as dist

@@ -42,10 +42,13 @@ def test_probe_of_a_given_model_probes_it_without_a_copy() -> None:
     assert not torch.equal(given[1].running_mean, before)  # given: its own forward ran
 
 
-def test_the_collector_pause_restores_its_state_and_freezes_only_when_asked() -> None:
+def test_the_collector_pause_restores_its_state_and_freezes_only_when_asked(monkeypatch) -> None:
     import gc
 
+    from gpudiag import gcpause
     from gpudiag.gcpause import paused
+
+    monkeypatch.setattr(gcpause, "_owned", True)  # (as gpudiag's command line: gcpause.own())
 
     frozen = gc.get_freeze_count()
     try:
@@ -60,6 +63,29 @@ def test_the_collector_pause_restores_its_state_and_freezes_only_when_asked() ->
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_a_model_spec_resolved_in_the_users_process_freezes_none_of_the_users_objects() -> None:
+    """The Python API (``gpudiag.gradcheck_spec("torchvision:…")``) runs in the user's
+    process: importing torchvision there must not ``gc.freeze()`` the user's objects, or a
+    reference cycle of theirs alive at that moment is never collected (it was: the
+    torchvision import froze everything alive)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, weakref\n"
+        "from gpudiag.models import resolve_model\n"
+        "class Node: pass\n"
+        "a = Node(); a.me = a; ref = weakref.ref(a)\n"
+        "resolve_model('torchvision:resnet18', (3, 8, 8), 3)()\n"
+        "del a\n"
+        "gc.collect()\n"
+        "print(gc.isenabled(), gc.get_freeze_count(), ref() is None)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "0", "True"]  # collector on, nothing frozen, the cycle freed
 
 
 def test_the_users_factory_and_forward_run_with_the_collector_on(tmp_path) -> None:
