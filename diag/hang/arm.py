@@ -54,16 +54,42 @@ def records() -> bool:
     return isinstance(record, dict) and bool(record.get("pg_config") or record.get("pg_status"))
 
 
+def _earlier(folder: Path) -> str | None:
+    """The first entry of ``folder`` the verdict would read that this job did not write —
+    an earlier run's dump, ``stacks`` or ``verdict.json``, or any file whose name ends in a
+    rank — or None."""
+    from gpudiag.hang.reader import rank_of
+
+    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if path.name in ("stacks", "verdict.json"):
+            return path.name
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        try:
+            rank_of(path)
+        except InputError:
+            continue
+        return path.name
+    return None
+
+
 def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") -> Watchdog:
     """A :class:`Watchdog` for a collective pending longer than ``stall_s`` seconds, its
-    dumps into folder ``out`` (None: :data:`DEFAULT_DIR`, relative to the working folder),
-    not started yet; ``by`` is who it says found the stall. The recorder is turned on here
-    when no process group exists yet; when one exists and its recorder is off: InputError."""
+    dumps into folder ``out`` (None: :data:`DEFAULT_DIR`, relative to the working folder;
+    one that holds an earlier run's dumps, stacks or verdict: InputError), not started yet;
+    ``by`` is who it says found the stall. The recorder is turned on here when no process
+    group exists yet; when one exists and its recorder is off: InputError."""
     if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or not 0 < stall_s < math.inf:
         raise InputError(f"hang_timeout={stall_s!r}: expected a number of seconds above 0")
     folder = Path(DEFAULT_DIR if out is None else out)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder}: not a folder (where the hang dumps would go)")
+    earlier = _earlier(folder)
+    if earlier is not None:  # (read with this job's dumps it would mix two runs, or be overwritten)
+        raise InputError(
+            f"{folder}: holds {earlier} of an earlier run, which this job's verdict would read as its own "
+            "(and its dumps would overwrite): move that folder away or name another for the dumps"
+        )
     dist = _group()
     if dist is None and not any(name in os.environ for name in RECORDER):  # (the user's own size kept)
         os.environ["TORCH_FR_BUFFER_SIZE"] = RECORDER["TORCH_FR_BUFFER_SIZE"]

@@ -168,6 +168,35 @@ def test_a_bad_hang_timeout_is_refused(timeout: object) -> None:
         gpudiag.watch(nn.Linear(3, 1), hang_timeout=timeout)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("earlier", ["fr_rank2.pkl", "verdict.json", "stacks"])
+def test_a_hang_dir_holding_an_earlier_runs_files_is_refused_untouched(tmp_path: Path, earlier: str) -> None:
+    """The verdict would read an earlier run's dump as this job's (live, a 2-rank job's
+    verdict failed: "there is a dump of rank 2") and the new dumps overwrite the old."""
+    old = tmp_path / "hang"
+    old.mkdir()
+    if earlier == "stacks":
+        (old / "stacks").mkdir()
+    else:
+        (old / earlier).write_bytes(b"old")
+    (old / "notes.txt").write_text("kept")  # (no rank in its name: never read as a dump)
+    before = {p: p.read_bytes() for p in old.rglob("*") if p.is_file()}
+    threads = _watchdogs()
+    with pytest.raises(InputError, match=f"holds {earlier} of an earlier run"):
+        gpudiag.watch(nn.Linear(3, 1), hang_timeout=30, hang_dir=old)
+    assert _watchdogs() == threads
+    assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
+
+
+def test_gpudiag_run_refuses_a_folder_of_earlier_dumps_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("raise SystemExit(5)\n")
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "fr_rank0.pkl").write_bytes(b"old")
+    done = CliRunner().invoke(cli, ["run", "-o", str(tmp_path / "hang"), str(tmp_path / "train.py")])
+    assert done.exit_code == 2 and len(done.output.strip().splitlines()) == 1, done.output
+    assert "holds fr_rank0.pkl of an earlier run" in done.output
+    assert (tmp_path / "hang" / "fr_rank0.pkl").read_bytes() == b"old"
+
+
 def test_hang_dir_without_hang_timeout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="hang_dir without hang_timeout"):
         gpudiag.watch(nn.Linear(3, 1), hang_dir=tmp_path)
