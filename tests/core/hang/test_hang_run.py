@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from gpudiag.cli import cli
 
 SKIPS = textwrap.dedent(
@@ -115,6 +117,32 @@ def test_a_healthy_script_exits_with_its_code_and_leaves_nothing(tmp_path: Path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (tmp_path / "hang").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
+
+
+ENDS_LATER = textwrap.dedent(
+    """\
+    import atexit, sys, threading, time
+    atexit.register(lambda: open("atexit.done", "w").write("ran"))
+    def later():
+        time.sleep(0.5)
+        open("thread.done", "w").write("ran")
+    threading.Thread(target=later).start()
+    """
+)
+
+
+@pytest.mark.parametrize(("last", "code"), [("", 0), ("sys.exit(3)", 3), ("raise ValueError('own')", 1)])
+def test_the_scripts_threads_and_atexit_handlers_run_as_under_python(
+    tmp_path: Path, last: str, code: int
+) -> None:
+    """``python train.py`` waits for its non-daemon threads and runs its atexit handlers;
+    under ``gpudiag run`` the command line's ``os._exit`` skipped both (a background upload,
+    a logger's final flush lost)."""
+    (tmp_path / "train.py").write_text(ENDS_LATER + last + "\n")
+    argv = [sys.executable, "-m", "gpudiag", "run", "--stall", "5", "-o", "hang", "train.py"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit.done", "thread.done", "train.py"]
 
 
 def test_run_options_are_no_prefix_of_torchruns_own() -> None:
