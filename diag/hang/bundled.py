@@ -8,7 +8,8 @@ into the bundle's files under :data:`FOLDER`:
   only through the bounded, restricted unpickler, never ``pickle.load``) and written as
   JSON, frames included: text, so the bundle's :class:`~gpudiag.redact.Redactor` can scrub
   it like every other file without breaking it (a pickle's strings carry their lengths);
-- ``hang/stacks/rank<R>.json`` — the Python stacks the watchdog wrote, where readable;
+- ``hang/stacks/rank<R>.json`` — the Python stacks the watchdog wrote, where readable
+  (JSON in UTF-8, as the watchdog writes it: no other encoding escapes the redactor);
 - ``hang/verdict.json`` — the verdict the watchdog printed, as it wrote it, where there is one.
 
 :func:`judge_files` judges the job again from those files alone: the ``hang`` check reads
@@ -93,9 +94,12 @@ def collect(folder: str) -> dict[str, bytes]:
 
 
 def _json(data: bytes) -> Any:
+    """The JSON document ``data`` holds in UTF-8 (None: none). Only UTF-8: ``json.loads``
+    reads UTF-16 and UTF-32 bytes too, which the bundle's redactor would scrub as text —
+    a token spelt in UTF-16 would reach the bundle unredacted."""
     try:
-        return json.loads(data)
-    except (ValueError, RecursionError):
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return None
 
 

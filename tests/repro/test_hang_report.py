@@ -84,6 +84,31 @@ def test_a_secret_in_the_dumps_is_redacted_and_the_zip_still_replays(tmp_path: P
     assert code == 0 and out["match"], out
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_stacks_file_or_verdict_in_another_encoding_never_carries_a_secret_into_the_bundle(
+    tmp_path: Path, encoding: str
+) -> None:
+    """json.loads reads UTF-16/32 bytes, which the redactor scrubbed as text: a token in a
+    UTF-16 stacks file reached the bundle (its UTF-16 bytes) unredacted."""
+    token = "hf_" + "A1b2C3d4E5f6G7h8I9j0KLMN"
+    folder = tmp_path / "hang"
+    shutil.copytree(GLOO / "skip" / "pickle", folder)
+    (folder / "stacks").mkdir()
+    frames = [{"filename": f"/srv/{token}/train.py", "line": 3, "name": "main"}]
+    for rank in (0, 1):
+        (folder / "stacks" / f"rank{rank}.json").write_bytes(
+            json.dumps({"MainThread": frames, "_finished": False}).encode(encoding if rank == 0 else "utf-8")
+        )
+    (folder / "verdict.json").write_bytes(json.dumps({"world_size": 3, "summary": token}).encode(encoding))
+    code, _ = report(folder, tmp_path / "bundle")
+    assert code == 1
+    files = files_of(tmp_path / "bundle")
+    assert "hang/stacks/rank1.json" in files and "hang/stacks/rank0.json" not in files
+    assert "hang/verdict.json" not in files
+    for data in files.values():
+        assert all(token.encode(e) not in data for e in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le"))
+
+
 def test_a_damaged_dump_is_one_line_exit_2_and_no_bundle(tmp_path: Path) -> None:
     folder = tmp_path / "hang"
     shutil.copytree(GLOO / "skip" / "pickle", folder)
