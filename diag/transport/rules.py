@@ -69,21 +69,23 @@ def _names(pairs: list[Pair]) -> str:
 
 def _isolated(log: NcclLog, slow: list[Pair]) -> str | None:
     """The log's own evidence that each process sees other GPUs: two ranks of the slow
-    pairs on one CUDA device number that their ``Init`` lines put on two GPUs (``cudaDev 0
-    nvmlDev 4`` and ``cudaDev 0 nvmlDev 5``: ``CUDA_VISIBLE_DEVICES`` set per process)."""
-    seen: dict[int, set[tuple[int, int]]] = {}
+    pairs on one host and one CUDA device number that their ``Init`` lines put on two GPUs
+    (``cudaDev 0 nvmlDev 4`` and ``cudaDev 0 nvmlDev 5``: ``CUDA_VISIBLE_DEVICES`` set per
+    process). Ranks on two hosts prove nothing (each host numbers its own GPUs), nor does
+    an ``Init`` line without its host."""
+    seen: dict[int, set[tuple[str, int, int]]] = {}
     for init in log.inits:
-        if init.nvml is not None:
-            seen.setdefault(init.rank, set()).add((init.device, init.nvml))
+        if init.nvml is not None and init.host:
+            seen.setdefault(init.rank, set()).add((init.host, init.device, init.nvml))
     ranks = sorted({r for p in slow for r in (p.from_rank, p.to_rank)})
     known = {r: next(iter(seen[r])) for r in ranks if len(seen.get(r, ())) == 1}
-    by_device: dict[int, list[int]] = {}
-    for rank, (device, _) in known.items():
-        by_device.setdefault(device, []).append(rank)
-    for device, together in sorted(by_device.items()):
-        gpus = {known[r][1] for r in together}
+    by_device: dict[tuple[str, int], list[int]] = {}
+    for rank, (host, device, _) in known.items():
+        by_device.setdefault((host, device), []).append(rank)
+    for (_, device), together in sorted(by_device.items()):
+        gpus = {known[r][2] for r in together}
         if len(gpus) > 1:
-            shown = ", ".join(f"rank {r} GPU {known[r][1]}" for r in together[:4])
+            shown = ", ".join(f"rank {r} GPU {known[r][2]}" for r in together[:4])
             return (
                 f"the log shows each process seeing its own GPU: cudaDev {device} is {shown} "
                 "(CUDA_VISIBLE_DEVICES set per process), which keeps NCCL from opening the peer "

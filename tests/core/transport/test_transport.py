@@ -411,3 +411,29 @@ def test_each_process_seeing_its_own_gpu_is_named_from_the_log() -> None:
         "1. the log shows each process seeing its own GPU: cudaDev 0 is rank 0 GPU 4, rank 1 GPU 5"
     )
     assert cause.count("CUDA_VISIBLE_DEVICES set per process") == 1
+
+
+# Two hosts, each with CUDA_VISIBLE_DEVICES alike for its ranks (a: GPUs 0,1; b: GPUs 4,5):
+# cudaDev 0 is GPU 0 on a and GPU 4 on b, which proves nothing about either host.
+SYNTHETIC_TWO_HOSTS_ALIKE = """\
+a:201:301 [0] NCCL INFO comm 0x1 rank 0 nranks 4 cudaDev 0 nvmlDev 0 busId 6000 - Init START
+a:202:302 [1] NCCL INFO comm 0x2 rank 1 nranks 4 cudaDev 1 nvmlDev 1 busId 7000 - Init START
+b:201:301 [0] NCCL INFO comm 0x3 rank 2 nranks 4 cudaDev 0 nvmlDev 4 busId 85000 - Init START
+b:202:302 [1] NCCL INFO comm 0x4 rank 3 nranks 4 cudaDev 1 nvmlDev 5 busId 8a000 - Init START
+a:201:301 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct
+a:202:302 [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via SHM/direct/direct
+b:201:301 [0] NCCL INFO Channel 00/0 : 2[0] -> 3[1] via SHM/direct/direct
+b:202:302 [1] NCCL INFO Channel 00/0 : 3[1] -> 2[0] via SHM/direct/direct
+"""
+
+
+def test_one_cuda_device_number_on_two_hosts_is_no_evidence_of_per_process_visibility() -> None:
+    """cudaDev 0 is GPU 0 on host a and GPU 4 on host b: each host set CUDA_VISIBLE_DEVICES
+    alike for its ranks. The cause used to say "each process seeing its own GPU: cudaDev 0
+    is rank 0 GPU 0, rank 2 GPU 4" — two ranks of two hosts."""
+    rep = report(text=SYNTHETIC_TWO_HOSTS_ALIKE, machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
+    assert codes(rep) == ["nccl-slow-path"]  # (SHM on NVLink pairs: still slow)
+    assert "the log shows each process" not in (rep.findings[0].cause or "")
+    one_host = SYNTHETIC_TWO_HOSTS_ALIKE.replace("b:2", "a:3")  # (the same lines on one host: evidence)
+    rep = report(text=one_host, machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
+    assert "cudaDev 0 is rank 0 GPU 0, rank 2 GPU 4" in (rep.findings[0].cause or "")
