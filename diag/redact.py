@@ -78,10 +78,14 @@ _VERSION_BEFORE = re.compile(
     r"|(?<!\w)(?:[Vv]|[Vv]ersion[ \t]*[:=]?[ \t]*))$"
 )
 _DOTTED_QUAD = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
-_IPV6 = re.compile(
-    r"(?<![\w:])(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"
+_IPV6_BODY = (
+    r"(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"
     r"|(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{0,4}::(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{1,4})(?![\w:])"
 )
+_IPV6 = re.compile(rf"(?<![\w:]){_IPV6_BODY}")
+#: An address after its interface, as NCCL prints them (``[1]ib0:fe80::1%ib0<0>``,
+#: ``Using eth0:2001:db8::5<0>``): the colon after the name hid it from :data:`_IPV6`.
+_IPV6_AFTER_INTERFACE = re.compile(rf"(?<![\w:.-])(?P<interface>[A-Za-z][\w.-]{{0,30}}:){_IPV6_BODY}")
 _HOME = re.compile(r"(/home/|/Users/)([^/\s\"'<>`]+)")
 #: Literal values shorter than this are not scrubbed by value (``1``, ``true`` would
 #: take half the report with them); their variable still shows as set.
@@ -185,6 +189,7 @@ class Redactor:
             for pattern, mark in self._identities:
                 text = pattern.sub(mark, text)
             text = _IPV4.sub(_address, text)
+            text = _IPV6_AFTER_INTERFACE.sub(lambda m: f"{m.group('interface')}<ip>", text)
             text = _IPV6.sub("<ip>", text)
             text = _HOME.sub(lambda m: f"{m.group(1)}<user>", text)
             if self.user and len(self.user) >= 3:

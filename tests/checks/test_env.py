@@ -91,6 +91,22 @@ def test_anonymize_masks_host_ips_user_and_master_addr() -> None:
     assert plain == text  # without --anonymize identities stay
 
 
+def test_anonymize_masks_an_ipv6_address_after_its_interface_as_nccl_prints_it() -> None:
+    """NCCL writes ``[1]ib0:fe80::…%ib0<0>``: the colon after the interface name kept the
+    address out of the IPv6 pattern, and --anonymize bundled it."""
+    r = Redactor({}, anonymize=True, hostname="gpu-box-3.lab", user="alice")
+    lines = {
+        "NET/Socket : Using [0]eth0:10.2.3.4<0> [1]ib0:fe80::1234:5678:9abc:def0%ib0<0>": "fe80::1234",
+        "Bootstrap : Using ib0:2001:db8:0:0:0:0:0:5<0>": "2001:db8",
+        "NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [RO]; OOB bond0.12:fd00::7%bond0.12<0>": "fd00::7",
+    }
+    for line, address in lines.items():
+        out = r.text(line)
+        assert address not in out and "<ip>" in out, out
+    assert r.text("[1]ib0:fe80::1%ib0<0>") == "[1]ib0:<ip>%ib0<0>"  # (the interface name stays)
+    assert r.text("[0]mlx5_0:1/IB at 12:34:56") == "[0]mlx5_0:1/IB at 12:34:56"
+
+
 class Commands(Runner):
     """A host whose commands answer from a table keyed by a word of the command line."""
 
