@@ -54,14 +54,20 @@ def bounded(
 
 def _pseudonyms(texts: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Every host of the logs' NCCL prefixes as ``anon-host-N``, in one pass (no name
-    replaced twice), as whole words."""
-    hosts = [h for h in read_log(texts).hosts if len(h) >= 2 and not placeholder(h)]
-    if not hosts:
+    replaced twice), as whole words, in any case (host names are; a launcher's line may
+    capitalise it) and with the domain that follows it (``node-7.hpc.example.org``, as
+    torchrun's failure summary writes it) — the domain is part of the name."""
+    names: dict[str, str] = {}
+    for host in read_log(texts).hosts:
+        if len(host) >= 2 and not placeholder(host):
+            names.setdefault(host.lower(), f"anon-host-{len(set(names.values())) + 1}")
+    if not names:
         return texts
-    names = {host: f"anon-host-{i}" for i, host in enumerate(hosts, 1)}
-    alternatives = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
-    pattern = re.compile(rf"(?<![\w.-])(?:{alternatives})(?![\w-])")
-    return [(pattern.sub(lambda m: names[m.group(0)], text), name) for text, name in texts]
+    alternatives = "|".join(re.escape(h) for h in sorted(names, key=len, reverse=True))
+    pattern = re.compile(
+        rf"(?<![\w.-])(?P<host>{alternatives})(?:\.[A-Za-z][A-Za-z0-9-]*)*(?![\w-])", re.IGNORECASE
+    )
+    return [(pattern.sub(lambda m: names[m.group("host").lower()], text), name) for text, name in texts]
 
 
 def bundled_logs(

@@ -6,6 +6,7 @@ re-reads the bundled log and gets the same pairs and findings. Real logs from pu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,19 @@ def test_anonymize_masks_every_host_and_address_and_replay_still_agrees(tmp_path
     again = replay(read_bundle(bundle), Here(cuda_gpus=0, nvml="no NVML (test)"))
     (item,) = again.checks
     assert item.match and pairs_of(item.here.result or {}) == pairs_of(check["result"])  # type: ignore[union-attr]
+
+
+def test_anonymize_masks_a_host_in_another_case_and_with_its_domain() -> None:
+    """torchrun's failure summary writes the host with its domain (``host : H20-GPU-06.hpc.
+    acme.internal``), a launcher may capitalise it: the bundle kept the domain after
+    ``anon-host-1`` and the other spelling whole."""
+    log = Path(TWO_HOSTS).read_text(encoding="utf-8")
+    extra = "\n  host      : H20-GPU-06.hpc.acme-corp.internal\n[rank1]: connection to h20-gpu-05 refused\n"
+    ((text, _),), _ = bundled_logs([(log + extra, "h20.log")], anonymize=True)
+    for identity in ("H20-GPU", "h20-gpu", "acme-corp", "hpc."):
+        assert identity not in text, identity
+    assert "  host      : anon-host-1\n[rank1]: connection to anon-host-2 refused" in text
+    assert sorted(set(re.findall(r"anon-host-\d+", text))) == ["anon-host-1", "anon-host-2"]
 
 
 def test_the_bundled_log_is_bounded_at_a_line_end_and_says_so() -> None:
