@@ -7,7 +7,7 @@ import sys
 import click
 
 from gpudiag.cli.group import cli
-from gpudiag.cli.options import format_option
+from gpudiag.cli.options import FiniteFloatRange, format_option
 
 
 @cli.command()
@@ -41,7 +41,7 @@ def hang(ctx: click.Context, paths: tuple[str, ...], world_size: int | None, fmt
 )
 @click.option(
     "--stall",
-    type=click.FloatRange(0.1, None),
+    type=FiniteFloatRange(0.1, None),
     default=300.0,
     show_default=True,
     metavar="SECONDS",

@@ -3,11 +3,24 @@ check option values while click parses them (without importing torch)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
 
 from gpudiag import defaults as D
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's :class:`~click.FloatRange` without ``nan`` and ``inf``, which pass its
+    comparisons: ``--timeout inf`` failed as "the model factory raised OverflowError",
+    ``--timeout nan`` as a crashed rank."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def format_option(formats: tuple[str, ...]) -> Any:
@@ -41,7 +54,7 @@ def runtime_options(command: Any) -> Any:
         "--timeout",
         default=D.TIMEOUT_S,
         show_default=True,
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteFloatRange(min=0, min_open=True),
         metavar="SECONDS",
         help="Deadline for each phase (the reference, each strategy, the ranks): what is still "
         "running then is stopped and named.",
@@ -287,7 +300,7 @@ def declared_options(options: type, *names: str) -> Any:
                     None if spec.low is None else int(spec.low), None if spec.high is None else int(spec.high)
                 )
             elif spec.low is not None or spec.high is not None:
-                kind = click.FloatRange(spec.low, spec.high, min_open=spec.low_open)
+                kind = FiniteFloatRange(spec.low, spec.high, min_open=spec.low_open)
             else:
                 kind = float
             command = click.option(flag, name, default=default, show_default=True, type=kind, help=spec.help)(

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from gpudiag.cli.group import cli
-from gpudiag.cli.options import check_names, format_option, inject_option, machine_option
+from gpudiag.cli.options import FiniteFloatRange, check_names, format_option, inject_option, machine_option
 
 
 def _render(verdict: Any, records: Any, run: Any, fmt: str) -> None:
@@ -98,13 +98,13 @@ def _refuse_run_options(ctx: click.Context) -> None:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     metavar="SECONDS",
     help="Deadline per phase and collective (default 300, 45 with --quick).",
 )
 @click.option(
     "--size-mib",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     metavar="MIB",
     help="All-reduce size of the bandwidth tests (default 64, 1 with --quick).",
 )
@@ -126,7 +126,7 @@ def _refuse_run_options(ctx: click.Context) -> None:
 @click.option(
     "--inject-delay",
     "delay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.0,
     metavar="SECONDS",
     help="Rehearse a slow node: wait this long before each of its transfers.",

@@ -206,6 +206,26 @@ def test_non_ascii_digits_are_not_numbers(args: list[str]) -> None:
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e999"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["gradcheck", "--model", "mlp", "--input-shape", "3,4,4", "--timeout={}"],
+        ["nancheck", "--model", "mlp", "--input-shape", "3,4,4", "--timeout={}"],
+        ["bench", "--model", "mlp", "--timeout={}"],
+        ["run", "--stall={}", "script.py"],
+        ["sweep", "--inject-delay={}"],
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_before_anything_runs(args: list[str], value: str) -> None:
+    """click's FloatRange lets nan and inf through its bounds: gradcheck --timeout inf
+    failed as "the model factory raised OverflowError", --timeout nan as a crashed rank."""
+    result = invoke([a.format(value) for a in args])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "is not a finite number" in result.output or "is not in the range" in result.output  # (-inf)
+
+
 def test_a_non_ascii_numa_node_never_reaches_a_command_line(tmp_path: Path) -> None:
     doc = json.loads(EXAMPLE_MACHINE.read_text())
     for gpu in doc["gpus"]:
