@@ -14,8 +14,8 @@ never fires writes nothing.
 from __future__ import annotations
 
 import atexit
-import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +79,14 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
     one that holds an earlier run's dumps, stacks or verdict: InputError), not started yet;
     ``by`` is who it says found the stall. The recorder is turned on here when no process
     group exists yet; when one exists and its recorder is off: InputError."""
-    if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or not 0 < stall_s < math.inf:
+    if (
+        isinstance(stall_s, bool)
+        or not isinstance(stall_s, (int, float))
+        or not 0 < stall_s <= sys.float_info.max
+    ):
         raise InputError(f"hang_timeout={stall_s!r}: expected a number of seconds above 0")
     folder = Path(DEFAULT_DIR if out is None else out)
-    if folder.exists() and not folder.is_dir():
+    if (folder.exists() or folder.is_symlink()) and not folder.is_dir():  # (a link to nothing: too)
         raise InputError(f"{folder}: not a folder (where the hang dumps would go)")
     earlier = _earlier(folder)
     if earlier is not None:  # (read with this job's dumps it would mix two runs, or be overwritten)

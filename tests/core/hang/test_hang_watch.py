@@ -162,10 +162,19 @@ def test_close_stops_the_watchdog_and_writes_nothing(tmp_path: Path, monkeypatch
     assert _watchdogs() == before and not (tmp_path / "hang").exists()
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "5"])
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, "5", 10**400])
 def test_a_bad_hang_timeout_is_refused(timeout: object) -> None:
     with pytest.raises(InputError, match="hang_timeout"):
         gpudiag.watch(nn.Linear(3, 1), hang_timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_a_hang_dir_that_links_to_nothing_is_refused(tmp_path: Path) -> None:
+    """Accepted, the watchdog's ``mkdir`` failed when the job hung (FileExistsError on the
+    link): every rank ended with exit 1, no dump and no verdict."""
+    (tmp_path / "hang").symlink_to(tmp_path / "gone")
+    with pytest.raises(InputError, match="not a folder"):
+        gpudiag.watch(nn.Linear(3, 1), hang_timeout=30, hang_dir=tmp_path / "hang")
+    assert not (tmp_path / "gone").exists()
 
 
 @pytest.mark.parametrize("earlier", ["fr_rank2.pkl", "verdict.json", "stacks"])
