@@ -17,7 +17,8 @@ MAX_LOG_BYTES = 256 << 20
 
 def read_log_file(path: str) -> tuple[str, str]:
     """(text, display name) of a log; ``-`` is standard input. UTF-8 (bad bytes
-    replaced) or UTF-16 with its byte-order mark, as Windows shells redirect."""
+    replaced) or UTF-16 with its byte-order mark, as Windows shells redirect; text with NUL
+    characters is refused (UTF-32 among them: the redactor could not read a secret in it)."""
     if path == "-":
         data, name = sys.stdin.buffer.read(MAX_LOG_BYTES + 1), "<stdin>"
     else:  # (a FIFO or a folder refused without waiting, as every input file is)
@@ -27,10 +28,14 @@ def read_log_file(path: str) -> tuple[str, str]:
             f"{name}: larger than {MAX_LOG_BYTES >> 20} MiB; give the part with the `NCCL INFO` lines"
         )
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return data.decode("utf-16", "replace"), name
-    if b"\x00" in data[:65536]:
+        text = data.decode("utf-16", "replace")
+    elif b"\x00" in data[:65536]:
+        text = "\x00"
+    else:
+        text = data.decode("utf-8", "replace")
+    if "\x00" in text[:65536]:  # (UTF-32's mark starts as UTF-16's: decoded so, every other character is NUL)
         raise InputError(f"{name}: not a text file")
-    return data.decode("utf-8", "replace"), name
+    return text, name
 
 
 def read_logs(logs: list[str]) -> list[tuple[str, str]]:

@@ -104,6 +104,25 @@ def test_anonymize_masks_a_host_in_another_case_and_with_its_domain() -> None:
     assert sorted(set(re.findall(r"anon-host-\d+", text))) == ["anon-host-1", "anon-host-2"]
 
 
+def test_a_log_in_utf32_is_refused_and_never_bundled(tmp_path: Path) -> None:
+    """UTF-32's byte-order mark starts as UTF-16's: decoded as UTF-16, each character came
+    with a NUL the redactor's patterns do not expect, and an hf_ token reached the bundle."""
+    token = "hf_" + "abcdefghijklmnopqrstuvwx1234"
+    line = f"gpu-node-18:202:302 [0] NCCL INFO HF_TOKEN={token}\n"
+    (tmp_path / "u32.log").write_bytes(line.encode("utf-32"))
+    (tmp_path / "u16.log").write_bytes(Path(TWO_HOSTS).read_text(encoding="utf-8").encode("utf-16"))
+    result, bundle = report_cli(
+        tmp_path / "a", "--nccl-log", TWO_HOSTS, "--nccl-log", str(tmp_path / "u32.log")
+    )
+    assert result.exit_code == 2 and "u32.log: not a text file" in result.output
+    assert not bundle.exists()
+    result, bundle = report_cli(
+        tmp_path / "b", "--nccl-log", str(tmp_path / "u16.log")
+    )  # (Windows' UTF-16: read)
+    assert result.exit_code == 0, result.output
+    assert len(transport_doc(bundle)["result"]["pairs"]) > 0
+
+
 def test_the_bundled_log_is_bounded_at_a_line_end_and_says_so() -> None:
     text = Path(TWO_HOSTS).read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
