@@ -107,14 +107,15 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
     return pairs, notes
 
 
-def _nvml_indexes(log: NcclLog) -> dict[tuple[int, int], int]:
-    """(rank, CUDA device) → NVML index, from the ranks' ``Init`` lines; a rank whose lines
-    disagree (several communicators numbering their ranks anew) is left out."""
+def _nvml_indexes(log: NcclLog) -> dict[tuple[int, int], int | None]:
+    """(rank, CUDA device) → NVML index, from the ranks' ``Init`` lines; None for a rank
+    whose lines disagree (several communicators numbering their ranks anew): its GPU is
+    not known — nor is it its CUDA device number, which those lines say it is not."""
     seen: dict[tuple[int, int], set[int]] = {}
     for init in log.inits:
         if init.nvml is not None:
             seen.setdefault((init.rank, init.device), set()).add(init.nvml)
-    return {key: next(iter(found)) for key, found in seen.items() if len(found) == 1}
+    return {key: next(iter(found)) if len(found) == 1 else None for key, found in seen.items()}
 
 
 def _smi_index(nvml: dict[tuple[int, int], int], rank: int, device: int | None) -> int | None:
@@ -148,6 +149,12 @@ def _place(pairs: list[Pair], topo: Topology, log: NcclLog) -> None:
     for pair in pairs:
         if pair.same_host is not True:
             continue
+        ends = (
+            ((pair.from_rank, pair.from_device), pair.from_busid),
+            ((pair.to_rank, pair.to_device), pair.to_busid),
+        )
+        if any(busid is None and end in nvml and nvml[end] is None for end, busid in ends):
+            continue  # (Init lines that disagree and no bus id: which GPU is unknown)
         from_gpu = (
             pair.from_device if pair.from_device is None else nvml.get((pair.from_rank, pair.from_device))
         )

@@ -413,6 +413,34 @@ def test_each_process_seeing_its_own_gpu_is_named_from_the_log() -> None:
     assert cause.count("CUDA_VISIBLE_DEVICES set per process") == 1
 
 
+# One GPU per process (GPUs 4, 5, 6 as cudaDev 0) and a second communicator of ranks 1 and
+# 2, which numbers them 0 and 1: rank 0 cudaDev 0 is GPU 4 in one Init line and GPU 5 in
+# the other, rank 1 GPU 5 and GPU 6.
+SYNTHETIC_TWO_COMMS_DISAGREE = """\
+dgx:201:301 [0] NCCL INFO comm 0x1 rank 0 nranks 3 cudaDev 0 nvmlDev 4 busId 85000 - Init START
+dgx:202:302 [0] NCCL INFO comm 0x2 rank 1 nranks 3 cudaDev 0 nvmlDev 5 busId 8a000 - Init START
+dgx:203:303 [0] NCCL INFO comm 0x3 rank 2 nranks 3 cudaDev 0 nvmlDev 6 busId 8b000 - Init START
+dgx:202:302 [0] NCCL INFO comm 0x4 rank 0 nranks 2 cudaDev 0 nvmlDev 5 busId 8a000 - Init START
+dgx:203:303 [0] NCCL INFO comm 0x5 rank 1 nranks 2 cudaDev 0 nvmlDev 6 busId 8b000 - Init START
+dgx:202:302 [0] NCCL INFO Channel 00/0 : 1[0] -> 2[0] via SHM/direct/direct
+dgx:203:303 [0] NCCL INFO Channel 00/0 : 2[0] -> 0[0] via SHM/direct/direct
+"""
+
+
+def test_a_rank_whose_init_lines_disagree_is_not_placed_on_its_cuda_device_number() -> None:
+    """The lines say rank 0's cudaDev 0 is GPU 4 or GPU 5, never GPU 0: the pairs were placed
+    on GPU0-GPU6 and GPU6-GPU0 (SYS), a path the log does not show (the truth, GPU5-GPU6 or
+    GPU4-GPU6, is NVLink)."""
+    rep = report(text=SYNTHETIC_TWO_COMMS_DISAGREE, machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
+    assert [(p.from_rank, p.to_rank, p.offers) for p in rep.pairs] == [(1, 2, None), (2, 0, None)]
+    assert codes(rep) == []
+    agreeing = "\n".join(
+        SYNTHETIC_TWO_COMMS_DISAGREE.splitlines()[:3] + SYNTHETIC_TWO_COMMS_DISAGREE.splitlines()[5:]
+    )
+    rep = report(text=agreeing + "\n", machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
+    assert [(p.from_rank, p.to_rank, p.offers) for p in rep.pairs] == [(1, 2, "NV2"), (2, 0, "NV1")]
+
+
 # Two hosts, each with CUDA_VISIBLE_DEVICES alike for its ranks (a: GPUs 0,1; b: GPUs 4,5):
 # cudaDev 0 is GPU 0 on a and GPU 4 on b, which proves nothing about either host.
 SYNTHETIC_TWO_HOSTS_ALIKE = """\
