@@ -195,7 +195,7 @@ def config_fields() -> dict[str, dict[str, Any]]:
         "gradcheck": {**model, **_declared(GradcheckOptions), "output": _output, "sync_batchnorm": _flag},
         "nancheck": {**model, **_declared(NancheckOptions), "machine": _machine, "pairs": _pairs},
         "transport": {"from_log": _nccl_logs, "machine": _transport_machine},
-        "hang": {"dumps": _one_of("hang"), "world_size": _integer(1, 1_000_000)},
+        "hang": {"dumps": _one_of("hang"), "world_size": _integer(1, 100_000)},
     }
 
 

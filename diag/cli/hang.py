@@ -12,9 +12,7 @@ from gpudiag.cli.options import FiniteFloatRange, format_option
 
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
-@click.option(
-    "--world-size", type=click.IntRange(1, 1_000_000), help="The job's ranks, when no dump tells it."
-)
+@click.option("--world-size", type=click.IntRange(1, 100_000), help="The job's ranks, when no dump tells it.")
 @format_option(("text", "json", "markdown"))
 @click.pass_context
 def hang(ctx: click.Context, paths: tuple[str, ...], world_size: int | None, fmt: str) -> None:

@@ -77,12 +77,27 @@ class Analysis:
         return [h for h in self.hangs if h.cause is None]
 
 
+#: Most ranks of one job judged (as many as dump files one run reads: ``reader.MAX_FILES``):
+#: every rank without a dump is named, so a file named ``fr_rank9999999`` made ten million.
+MAX_WORLD = 100_000
+
+
 def _world_size(dumps: list[Dump], given: int | None) -> int:
     seen = max((d.rank for d in dumps), default=-1) + 1
     listed = max((max(r, default=-1) for d in dumps for r in d.pg_ranks.values()), default=-1) + 1
     if given is not None and given < seen:
         raise InputError(f"--world-size {given}: there is a dump of rank {seen - 1}")
-    return max(given or 0, seen, listed)
+    world = max(given or 0, seen, listed)
+    if world > MAX_WORLD:
+        source = (
+            f"{max(dumps, key=lambda d: d.rank).path} (rank {seen - 1})"
+            if seen == world
+            else f"a pg_config listing rank {listed - 1}"
+            if listed == world
+            else f"--world-size {given}"
+        )
+        raise InputError(f"{source}: a job of {world} ranks, more than the {MAX_WORLD:,} gpudiag hang judges")
+    return world
 
 
 def _signature(e: Entry) -> str:

@@ -67,8 +67,12 @@ def collect(folder: str) -> dict[str, bytes]:
         raise InputError(f"--hang {folder}: not a folder (the one gpudiag run -o or hang_dir= wrote)")
     files: dict[str, bytes] = {}
     total = 0
+    from gpudiag.hang.analysis import MAX_WORLD
+
     for path in dump_files([folder]):
         rank = rank_of(path)
+        if rank >= MAX_WORLD:
+            raise InputError(f"{path}: rank {rank}, more than the {MAX_WORLD:,} ranks gpudiag hang judges")
         tree = load_tree(path)
         parse_dump(tree, path, rank)  # (what gpudiag hang could not read is refused here)
         data = (json.dumps(tree, default=str) + "\n").encode()
@@ -105,10 +109,13 @@ def _json(data: bytes) -> Any:
 
 def world_size(files: Mapping[str, bytes]) -> int | None:
     """The job's world size the watchdog's ``verdict.json`` states (None: none, or not a
-    whole number from 1 to 1,000,000): it knows ranks that left no dump."""
+    whole number from 1 to :data:`~gpudiag.hang.analysis.MAX_WORLD`): it knows ranks that
+    left no dump."""
+    from gpudiag.hang.analysis import MAX_WORLD
+
     document = _json(files.get(f"{FOLDER}/verdict.json", b""))
     value = document.get("world_size") if isinstance(document, dict) else None
-    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1_000_000
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_WORLD
     return value if ok else None
 
 

@@ -266,9 +266,10 @@ def _root_findings(a: Analysis, root: GroupHang, findings: list[Finding]) -> str
     verb = "is" if len(ins) == 1 else "are"
     in_text = f"{_ranks(ins)} {verb} in {root.expected}" + (f" ({', '.join(in_lines)})" if in_lines else "")
     parts = []
+    missing = set(root.missing)  # (a list: a rank looked up in it per culprit took O(n²))
     for rank in root.culprits:
         state = root.states.get(rank)
-        if rank in root.missing:
+        if rank in missing:
             msg = (
                 f"{_ranks([rank])} left no dump (dead, or killed before dumping) while {in_text}; "
                 "its sizes and line cannot be known."

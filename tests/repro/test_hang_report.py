@@ -109,6 +109,20 @@ def test_a_stacks_file_or_verdict_in_another_encoding_never_carries_a_secret_int
         assert all(token.encode(e) not in data for e in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le"))
 
 
+def test_a_rank_past_the_largest_job_or_a_huge_stated_world_never_reaches_the_bundle(tmp_path: Path) -> None:
+    """A verdict.json stating 1,000,000 ranks made a 95 MB report.json that replay refused
+    (64 MiB a file); a dump named rank 9999999 made ten million ranks."""
+    folder = tmp_path / "hang"
+    shutil.copytree(GLOO / "skip" / "pickle", folder)
+    (folder / "verdict.json").write_text('{"world_size": 1000000}')
+    code, _ = report(folder, tmp_path / "bundle")
+    assert code == 1
+    assert hang_check(tmp_path / "bundle")["result"]["world_size"] == 3  # (the stated size ignored)
+    (folder / "nccl_trace_rank_2").rename(folder / "nccl_trace_rank_9999999")
+    code, out = report(folder, tmp_path / "other")
+    assert code == 2 and "rank 9999999" in out and not (tmp_path / "other").exists()
+
+
 def test_a_damaged_dump_is_one_line_exit_2_and_no_bundle(tmp_path: Path) -> None:
     folder = tmp_path / "hang"
     shutil.copytree(GLOO / "skip" / "pickle", folder)
