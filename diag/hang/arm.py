@@ -73,6 +73,15 @@ def _earlier(folder: Path) -> str | None:
     return None
 
 
+def attempt_folder(folder: Path) -> Path:
+    """Where this attempt's dumps go: ``folder``, or ``folder/restart<N>`` when torchrun
+    restarted the job (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` = N ≥ 1) — the
+    first attempt's dumps are in ``folder`` already, and judged with this attempt's they
+    would mix two runs."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return folder / f"restart{count}" if count.isdigit() and int(count) > 0 else folder
+
+
 def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") -> Watchdog:
     """A :class:`Watchdog` for a collective pending longer than ``stall_s`` seconds, its
     dumps into folder ``out`` (None: :data:`DEFAULT_DIR`, relative to the working folder;
@@ -88,6 +97,7 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
     folder = Path(DEFAULT_DIR if out is None else out)
     if (folder.exists() or folder.is_symlink()) and not folder.is_dir():  # (a link to nothing: too)
         raise InputError(f"{folder}: not a folder (where the hang dumps would go)")
+    folder = attempt_folder(folder)
     earlier = _earlier(folder)
     if earlier is not None:  # (read with this job's dumps it would mix two runs, or be overwritten)
         raise InputError(

@@ -196,6 +196,29 @@ def test_a_hang_dir_holding_an_earlier_runs_files_is_refused_untouched(tmp_path:
     assert {p: p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
 
 
+def test_a_restarted_job_dumps_into_its_own_folder_beside_the_first_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun --max-restarts restarts the ranks after a hang with the same -o: refused
+    there, no restart could run; read with the first attempt's, the verdict would mix them."""
+    from gpudiag.hang.arm import prepare
+
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.setenv(name, "2000")
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "fr_rank0.pkl").write_bytes(b"first attempt")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert prepare(30, tmp_path / "hang").out == tmp_path / "hang" / "restart1"
+    (tmp_path / "hang" / "restart1").mkdir()
+    (tmp_path / "hang" / "restart1" / "verdict.json").write_text("{}")
+    with pytest.raises(InputError, match=r"holds verdict\.json of an earlier run"):
+        prepare(30, tmp_path / "hang")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(InputError, match=r"holds fr_rank0\.pkl of an earlier run"):
+        prepare(30, tmp_path / "hang")
+    assert (tmp_path / "hang" / "fr_rank0.pkl").read_bytes() == b"first attempt"
+
+
 def test_gpudiag_run_refuses_a_folder_of_earlier_dumps_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("raise SystemExit(5)\n")
     (tmp_path / "hang").mkdir()
