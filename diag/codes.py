@@ -203,6 +203,12 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
         "hang",
         "gloo ran operations its flight recorder lists no entry for (send/recv)",
     ),
+    (
+        "hang-p2p-pending",
+        "warning",
+        "hang",
+        "a rank's last operation is a send or recv that never completed",
+    ),
 )
 
 #: Every finding code, by name.

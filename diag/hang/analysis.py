@@ -71,6 +71,8 @@ class Analysis:
     stacks: dict[int, Frame] = field(default_factory=dict)
     #: rank → operations its gloo groups ran that no entry lists (:func:`unrecorded`)
     unrecorded: dict[int, int] = field(default_factory=dict)
+    #: rank → its last recorded operation, when that is a send or recv not completed
+    p2p_pending: dict[int, Entry] = field(default_factory=dict)
 
     @property
     def roots(self) -> list[GroupHang]:
@@ -138,6 +140,10 @@ def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
     hangs: list[GroupHang] = []
     result = Analysis(ws, by_rank, hangs, blocked, sorted(set(range(ws)) - set(by_rank)))
     result.unrecorded = {d.rank: n for d in dumps if (n := unrecorded(d))}
+    for d in dumps:  # (the last operation: a p2p one pending means the rank waits there)
+        final = max(d.entries, key=lambda e: e.record_id, default=None)
+        if final is not None and final.is_p2p and not final.completed:
+            result.p2p_pending[d.rank] = final
     for name in sorted(seqs, key=lambda n: (len(members[n]), n)):
         recorded = seqs[name]
         completed = done.get(name, set())

@@ -27,6 +27,14 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
+def _current(a: Analysis, rank: int) -> Entry | None:
+    """The entry a rank's row and line show: the collective it is blocked in, else the send
+    or recv it waits in, else its last recorded one."""
+    dump = a.dumps.get(rank)
+    last = dump.entries[-1] if dump is not None and dump.entries else None
+    return a.blocked.get(rank) or a.p2p_pending.get(rank) or last
+
+
 def _line(entry: Entry | None) -> str | None:
     if entry is None:
         return None
@@ -52,10 +60,13 @@ class HangResult:
     def lines(self) -> dict[int, str]:
         """rank → the user's line of its current (or last) collective, where frames exist."""
         out = {}
-        for rank, dump in self.analysis.dumps.items():
-            entry = self.analysis.blocked.get(rank) or (dump.entries[-1] if dump.entries else None)
+        a = self.analysis
+        for rank, dump in a.dumps.items():
+            entry = (
+                a.blocked.get(rank) or a.p2p_pending.get(rank) or (dump.entries[-1] if dump.entries else None)
+            )
             line, _ = user_frames(entry.frames) if entry else (None, None)
-            if rank not in self.analysis.blocked and rank in self.analysis.stacks:
+            if rank not in a.blocked and rank not in a.p2p_pending and rank in a.stacks:
                 line = self.analysis.stacks[rank]  # outside any collective: where it is now
             if line is not None:
                 out[rank] = where(line) or ""
@@ -78,7 +89,7 @@ class HangResult:
             "summary": self.summary,
             "world_size": a.world_size,
             "culprit_ranks": root.culprits if root else (a.missing if self.verdict == "rank-missing" else []),
-            "stuck_ranks": sorted(a.blocked),
+            "stuck_ranks": sorted(set(a.blocked) | set(a.p2p_pending)),  # (in a collective, or a send/recv)
             "missing_ranks": a.missing,
             "collective": collective,
             "lines": {str(r): line for r, line in sorted(self.lines().items())},
@@ -90,7 +101,8 @@ class HangResult:
         dump = self.analysis.dumps.get(rank)
         if dump is None:
             return {"rank": rank, "dump": None}
-        entry = self.analysis.blocked.get(rank) or (dump.entries[-1] if dump.entries else None)
+        a = self.analysis
+        entry = _current(a, rank)
         row: dict[str, Any] = {"rank": rank, "dump": dump.path, "wrapped": dump.wrapped}
         if entry is not None:
             row.update(
@@ -98,7 +110,7 @@ class HangResult:
                 seq=entry.seq,
                 op=entry.op,
                 sizes=entry.input_sizes,
-                state="completed" if rank not in self.analysis.blocked else "pending",
+                state="pending" if rank in a.blocked or rank in a.p2p_pending else "completed",
                 line=_line(entry),
             )
         return row
@@ -203,6 +215,34 @@ def judge(
                 summary,
                 {"missing_ranks": a.missing},
                 fix="collect the missing dumps",
+            )
+        )
+    elif a.p2p_pending:
+        verdict = "undecided"
+        waits = "; ".join(
+            f"rank {r} in {e.op} ({e.state}{', ' + shown if (shown := _line(e)) else ''})"
+            for r, e in sorted(a.p2p_pending.items())
+        )
+        summary = (
+            f"Every recorded collective completed, but {_ranks(sorted(a.p2p_pending))} "
+            f"{'is' if len(a.p2p_pending) == 1 else 'are'} waiting in a point-to-point operation that "
+            f"never completed: {waits}. The dumps cannot tell which "
+            "peer failed to post its side."
+        )
+        findings.append(
+            Finding(
+                "hang-p2p-pending",
+                "warning",
+                summary,
+                {
+                    "ranks": {
+                        str(r): {"op": e.op, "state": e.state, "line": _line(e)}
+                        for r, e in sorted(a.p2p_pending.items())
+                    }
+                },
+                cause="a peer never posted the matching send or recv (a pipeline schedule out of order, "
+                "a rank that skipped a micro-batch), or it is blocked elsewhere",
+                fix="compare the peers' stacks (gpudiag run writes them) or py-spy dump --pid each rank",
             )
         )
     else:

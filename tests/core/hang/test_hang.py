@@ -313,3 +313,36 @@ def test_a_live_stack_names_the_line_of_a_rank_outside_any_collective(tmp_path: 
     (finding,) = [f for f in result.findings if f.code == "hang-never-entered"]
     assert f"its Python stack is at test_hang.py:{line}" in finding.message and finding.fix is None
     assert result.to_json()["lines"]["1"] == f"test_hang.py:{line}"
+
+
+def test_a_rank_left_in_a_send_or_recv_is_never_called_healthy(tmp_path: Path) -> None:
+    """Every collective completed, but one rank's last operation is a recv that never
+    completed (NCCL records send/recv; gloo does not): that job waits, and was called
+    healthy, exit 0. Built from the real healthy gloo dumps (JSON): rank 1's dump gets one
+    entry appended in the form the recorder writes a p2p op (is_p2p, p2p_seq_id, the
+    profiling name "nccl:recv 1<-0"), copied from its own last entry."""
+    source = GLOO / "healthy" / "json"
+    for path in sorted(source.iterdir()):
+        document = json.loads(path.read_text())
+        if path.name == "fr-1.json":
+            last = document["entries"][-1]
+            document["entries"].append(
+                {
+                    **last,
+                    "record_id": last["record_id"] + 1,
+                    "is_p2p": True,
+                    "p2p_seq_id": 1,
+                    "profiling_name": "nccl:recv 1<-0",
+                    "state": "scheduled",
+                    "retired": False,
+                    "input_sizes": [[4]],
+                    "input_dtypes": ["Float"],
+                }
+            )
+        (tmp_path / path.name).write_text(json.dumps(document))
+    code, out = run(str(tmp_path))
+    assert (code, out["verdict"]) == (3, "undecided"), out
+    assert out["stuck_ranks"] == [1] and out["culprit_ranks"] == []
+    pending = [f for f in out["findings"] if f["code"] == "hang-p2p-pending"]
+    assert len(pending) == 1 and pending[0]["evidence"]["ranks"]["1"]["op"] == "recv 1<-0"
+    assert run(str(source))[0] == 0  # (the dumps as they were: healthy)
