@@ -118,9 +118,10 @@ def _nvml_indexes(log: NcclLog) -> dict[tuple[int, int], int | None]:
     return {key: next(iter(found)) if len(found) == 1 else None for key, found in seen.items()}
 
 
-def _smi_index(nvml: dict[tuple[int, int], int], rank: int, device: int | None) -> int | None:
+def _smi_index(nvml: dict[tuple[int, int], int | None], rank: int, device: int | None) -> int | None:
     """nvidia-smi's number of ``rank``'s CUDA ``device``: its NVML index where the log gave
-    it, else the CUDA index itself."""
+    it, None where its ``Init`` lines disagree (unknown: the pair is not placed, unless a bus
+    id places it), else the CUDA index itself."""
     return None if device is None else nvml.get((rank, device), device)
 
 
@@ -149,18 +150,8 @@ def _place(pairs: list[Pair], topo: Topology, log: NcclLog) -> None:
     for pair in pairs:
         if pair.same_host is not True:
             continue
-        ends = (
-            ((pair.from_rank, pair.from_device), pair.from_busid),
-            ((pair.to_rank, pair.to_device), pair.to_busid),
-        )
-        if any(busid is None and end in nvml and nvml[end] is None for end, busid in ends):
-            continue  # (Init lines that disagree and no bus id: which GPU is unknown)
-        from_gpu = (
-            pair.from_device if pair.from_device is None else nvml.get((pair.from_rank, pair.from_device))
-        )
-        to_gpu = pair.to_device if pair.to_device is None else nvml.get((pair.to_rank, pair.to_device))
-        a = _label(topo, pair.from_device if from_gpu is None else from_gpu, pair.from_busid)
-        b = _label(topo, pair.to_device if to_gpu is None else to_gpu, pair.to_busid)
+        a = _label(topo, _smi_index(nvml, pair.from_rank, pair.from_device), pair.from_busid)
+        b = _label(topo, _smi_index(nvml, pair.to_rank, pair.to_device), pair.to_busid)
         if a is None or b is None or a == b:
             continue
         pair.offers = topo.cell(a, b)
