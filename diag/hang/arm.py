@@ -2,7 +2,8 @@
 ``gpudiag.watch(model, hang_timeout=…)`` start it (docs/hang.md).
 
 :func:`prepare` checks the request and makes sure the flight recorder will record: before
-``init_process_group`` it sets :data:`RECORDER` (unless the user set those variables);
+``init_process_group`` it sets ``TORCH_FR_BUFFER_SIZE`` to :data:`BUFFER_ENTRIES` (unless
+the user set one of :data:`RECORDER_NAMES`);
 once a process group exists it is too late to turn the recorder on (torch reads the buffer
 size when the group is made), so a recorder that records nothing is refused with an
 :class:`~gpudiag.errors.InputError` naming the variable, rather than a watchdog that can
@@ -22,9 +23,11 @@ from typing import Any
 from gpudiag.errors import InputError
 from gpudiag.hang.watchdog import Watchdog
 
-#: The flight recorder's buffer size (entries), by its names: torch 2.11 and later read the
-#: first; the second is its older NCCL-only name (deprecated: torch warns when it is set).
-RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+#: The names of the flight recorder's buffer size: torch 2.11 and later read the first; the
+#: second is its older NCCL-only name (deprecated: torch warns when it is set).
+RECORDER_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+#: The buffer size gpudiag asks for, in entries (torch's own default).
+BUFFER_ENTRIES = "2000"
 #: Where the dumps go unless told (``gpudiag run -o``, ``gpudiag.watch(hang_dir=…)``).
 DEFAULT_DIR = "gpudiag-hang"
 #: Seconds :func:`stop` waits for the thread to end (it polls every second).
@@ -105,8 +108,8 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
             "(and its dumps would overwrite): move that folder away or name another for the dumps"
         )
     dist = _group()
-    if dist is None and not any(name in os.environ for name in RECORDER):  # (the user's own size kept)
-        os.environ["TORCH_FR_BUFFER_SIZE"] = RECORDER["TORCH_FR_BUFFER_SIZE"]
+    if dist is None and not any(name in os.environ for name in RECORDER_NAMES):  # (the user's own kept)
+        os.environ[RECORDER_NAMES[0]] = BUFFER_ENTRIES
     elif dist is not None and not records():
         raise InputError(
             "the hang watchdog needs the flight recorder, which is off in this process "
