@@ -53,6 +53,7 @@ from gpudiag.watch.found import Local
 from gpudiag.watch.localize import check_local, settle_forward
 from gpudiag.watch.outcome import MAX_SKIPS, SCALE_FLOOR, conclude
 from gpudiag.watch.record import NonFiniteReport
+from gpudiag.watch.replay import Capture, autocast_devices, capture, generators, param_versions
 from gpudiag.watch.torchapi import end_of_backward_callback as _end_of_backward_callback
 from gpudiag.watch.torchapi import says_nothing
 from gpudiag.watch.unwrap import unwrap
@@ -80,7 +81,7 @@ class Watcher:
         scaler: Any = None,
         root: nn.Module | None = None,
         record_dir: str | Path | bool | None = None,
-        localize: bool = True,
+        localize: bool | str = True,
         comm_hook: bool | None = None,
         max_skips: int = MAX_SKIPS,
         scale_floor: float = SCALE_FLOOR,
@@ -137,8 +138,14 @@ class Watcher:
                 "torch.compile: the modules inside the compiled model are not watched one by one "
                 "(a forward fault is named at the model's output; gradients still per parameter)"
             )
-        if not localize:
+        #: how a forward fault is traced to its module: "replay", "trail" or "off" (see
+        #: :func:`watch`; "off" for a compiled model too, whose `blind` says so)
+        self.localize = localize_mode(localize, self)
+        if localize is False:
             self.blind.append("localize=False: forward faults are named at the model's output")
+        #: replay: the generators a forward draws from, the device types whose autocast it runs under
+        self._gens = generators(self.device) if self.localize == "replay" else []
+        self._autocast = autocast_devices(self.device)
 
         self.step = 0  # backward passes completed
         #: this run's name in its records (under DDP the first rank's, agreed on at watch())
@@ -158,6 +165,11 @@ class Watcher:
         #: CPU the module outputs are kept to the end of the backward to name it if they go bad
         self._holding = False
         self._inputs: list[Any] = []
+        #: replay: this step's training forwards as they began (what it takes to run them again)
+        self._captures: list[Capture] = []
+        self._replaying = False  # the watcher's own replay of a forward is running
+        self._replayed = False  # replay: this step's forwards were replayed (the trail holds them)
+        self._replay_error: str | None = None  # why they could not be (the model's exception)
         #: on the CPU, the witnesses of this step's outputs as read when each forward ended
         self._fwd_host: list[float] = []
         self._fwd_device = False  # a witness of this step is on an accelerator (not read yet)
@@ -180,8 +192,8 @@ class Watcher:
         self._order_seen = False  # DDP's finalize was seen to come after the before-finalize read
         self._received_here: Local | None = None  # what the all-reduce alone corrupted here, not yet agreed
 
-        self._handles.append(model.register_forward_pre_hook(self._pre_root))
-        if localize and not self.compiled:
+        self._handles.append(model.register_forward_pre_hook(self._pre_root, with_kwargs=True))
+        if self.localize == "trail":
             for path, module in self.inner.named_modules():
                 if not says_nothing(module):
                     self._handles.append(module.register_forward_hook(self._module_hook(path)))
@@ -229,8 +241,8 @@ class Watcher:
 
         return hook
 
-    def _pre_root(self, module: nn.Module, inputs: Any) -> None:
-        if self.done or not torch.is_grad_enabled():
+    def _pre_root(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.done or self._replaying or not torch.is_grad_enabled():
             return
         self._forwards += 1
         evaluating = not module.training
@@ -246,10 +258,13 @@ class Watcher:
         self._eval = evaluating
         if not evaluating:
             self._only_eval = False
-            self._inputs.append(inputs)
+            self._inputs.append((inputs, kwargs) if kwargs else inputs)
+            if self._gens:
+                self._captures.append(capture(inputs, kwargs, self._gens, self._autocast))
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        self.observe(output, "")
+        if not self._replaying:
+            self.observe(output, "")
 
     def observe(self, output: Any, name: str = "<loss>") -> None:
         """Watch ``output`` (a loss, or the model's output) like the model's own outputs: a
@@ -273,6 +288,8 @@ class Watcher:
                 self._hook_gradient(t)
         if witness.is_cuda:
             self._fwd_device = True
+            if self._captures and self._captures[-1].versions is None:  # judged after the backward
+                self._captures[-1].versions = param_versions(self._all_params)
         else:
             settle_forward(self, witness)
 
@@ -326,6 +343,9 @@ class Watcher:
         if before is not None and before == self._grad_state():
             self._queued = False
             del self._out_grads[self._out_grads_mark :]
+            return
+        if self.ddp is None:  # nothing of DDP's to wait for: the check now
+            self.after_backward()
             return
         if (
             self.grad_path == "before-finalize"
@@ -398,6 +418,8 @@ class Watcher:
         """Forget what this step's forwards kept."""
         self._trail.clear()
         self._inputs.clear()
+        self._captures.clear()
+        self._replayed, self._replay_error = False, None
         self._outputs.clear()
         self._fwd_host.clear()
         self._fwd_device = False
@@ -445,6 +467,26 @@ class Watcher:
         return f"<gpudiag.watch {self.placement}, rank {self.rank}/{self.world}, {state}{found}>"
 
 
+def localize_mode(localize: Any, watcher: Watcher) -> str:
+    """``watch(localize=...)`` as one of "replay", "trail", "off" (see :func:`watch`)."""
+    if localize is False or (watcher.compiled and localize in (True, "trail")):
+        return "off"  # (a hook inside a compiled graph would break it)
+    replayable = watcher.placement == "single" and not watcher.compiled and watcher.inner is watcher.model
+    if localize is True:
+        return "replay" if replayable else "trail"
+    if localize == "trail":
+        return "trail"
+    if localize == "replay":
+        if not replayable:
+            raise InputError(
+                f"localize='replay' runs a faulty forward again in this process: not for a "
+                f"{watcher.placement} model{' compiled' if watcher.compiled else ''}, or one watched "
+                "from another root, whose forward runs elsewhere or communicates — use localize='trail'"
+            )
+        return "replay"
+    raise InputError(f"localize={localize!r}: expected True, False, 'trail' or 'replay'")
+
+
 def watch(
     model: nn.Module,
     on_nonfinite: str = "raise",
@@ -452,7 +494,7 @@ def watch(
     scaler: Any = None,
     root: nn.Module | None = None,
     record_dir: str | Path | bool | None = None,
-    localize: bool = True,
+    localize: bool | str = True,
     comm_hook: bool | None = None,
     max_skips: int = MAX_SKIPS,
     scale_floor: float = SCALE_FLOOR,
@@ -471,8 +513,14 @@ def watch(
     whose paths name modules (default: the model inside its wrappers). ``record_dir``: where
     ``watch-rank<R>.json`` goes on a fault (default ``$GPUDIAG_WATCH_DIR`` or
     ``./gpudiag-watch``; False: none; a link or a FIFO there is warned about, not written).
-    ``localize=False`` keeps no module outputs (less memory; a forward fault is named at the
-    model's output).
+    ``localize``: how a forward fault is traced to the module it arose in. True (default):
+    ``"replay"`` for a model in one process on one device, else ``"trail"``. ``"trail"``: a
+    forward hook on every module keeps a reference to its output, every step. ``"replay"``:
+    a clean step keeps only the forward's arguments and generator states; on a faulty step
+    the forward is run again with the module hooks on (the user's forward hooks and the
+    model's Python side effects then run twice; buffers and generators are put back) —
+    refused under DDP and DataParallel, whose forwards communicate. False: neither (a forward
+    fault is named at the model's output).
     ``comm_hook`` (DDP): None (default) leaves DDP's own C++ all-reduce (or your comm hook)
     alone and reads each rank's gradients once at the end of the backward, before DDP's
     finalize overwrites them — unless the model has ``gradient_as_bucket_view=True``, then

@@ -14,6 +14,7 @@ from torch import nn
 from gpudiag.hw.cuda import cuda_link
 from gpudiag.runtime.stats import nonfinite_count
 from gpudiag.watch.found import Local, Seen, transfer_json
+from gpudiag.watch.replay import DID_NOT_RECUR, param_versions, replay
 from gpudiag.watch.witness import bad_count, float_tensors, grad_witness, has_nan, host_witnesses
 
 
@@ -137,8 +138,25 @@ def forward_verdict(outputs: list[tuple[torch.Tensor, Any, str]]) -> str:
 
 
 def seen_calls(watcher: Any) -> list[Seen]:
-    """This forward's module calls, in the order they returned."""
+    """This step's module calls, in the order they returned: the hooks' trail — which, under
+    ``localize="replay"``, the step's forwards replayed with the hooks on make now, once."""
+    if watcher.localize == "replay" and not watcher._replayed and watcher._captures:
+        watcher._replayed, watcher._replaying, evaluating = True, True, watcher._eval
+        watcher._eval = False
+        try:
+            watcher._replay_error = replay(watcher.model, list(watcher._captures), watcher._module_hook)
+        finally:
+            watcher._replaying, watcher._eval = False, evaluating
     return [Seen(*seen) for seen in watcher._trail]
+
+
+def unnamed(watcher: Any) -> str:
+    """Why a forward fault is named at the model's output, not at a module."""
+    if watcher._replay_error is not None:
+        return f"; the forward could not be replayed to find the module ({watcher._replay_error})"
+    if watcher._replayed:
+        return f"; {DID_NOT_RECUR}"
+    return " (modules not watched one by one)"
 
 
 def nan_arose_from_finite(watcher: Any) -> bool:
@@ -229,10 +247,7 @@ def first_bad_output(watcher: Any, nan_only: bool = False) -> Local | None:
             )
         if bad:
             return local_at(
-                watcher,
-                "forward",
-                "",
-                f"the model's output: {bad} NaN/Inf of {total} (modules not watched one by one)",
+                watcher, "forward", "", f"the model's output: {bad} NaN/Inf of {total}{unnamed(watcher)}"
             )
     return None
 
@@ -249,7 +264,10 @@ def bad_gradient(watcher: Any, bad_grads: list[tuple[Any, int]]) -> Local:
     """The first module in backward order (the last in forward order) whose
     parameters' own gradients were non-finite."""
     order: dict[str, int] = {}
-    for path in [*(p for paths in watcher._order for p in paths), *(seen[0] for seen in watcher._trail)]:
+    for path in [
+        *(p for paths in watcher._order for p in paths),
+        *(seen.path for seen in seen_calls(watcher)),
+    ]:
         order.setdefault(path, len(order))
 
     def rank(item: tuple[Any, int]) -> tuple[int, int]:
@@ -325,6 +343,9 @@ def settle_forward(watcher: Any, witness: torch.Tensor) -> None:
         watcher._early = first_bad_output(watcher, nan_only=True)
     if verdict == "inf":
         watcher._holding = True  # judged by the gradients at the end of the backward
+        for c in watcher._captures:  # (replayed then, if at all: on these parameters)
+            if c.versions is None:
+                c.versions = param_versions(watcher._all_params)
     if watcher._holding:
         return
     watcher._order.append([seen[0] for seen in watcher._trail])

@@ -538,11 +538,12 @@ def test_ddp_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_a_clean_cpu_forward_lets_go_of_what_it_kept_before_the_backward() -> None:
-    """On the CPU a forward is judged as it ends: a clean one keeps no module output into
-    the backward; a bad one is named there and then, and reported after the backward."""
+    """With the module hooks on every step (trail), on the CPU a forward is judged as it
+    ends: a clean one keeps no module output into the backward; a bad one is named there and
+    then, and reported after the backward."""
     net = Net()
     models.poison(net.body[2].lin, lambda: watcher.step == 1)
-    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+    with gpudiag.watch(net, "record", record_dir=False, localize="trail") as watcher:
         out = net(torch.randn(2, 8))
         assert watcher._trail == [] and watcher._inputs == [] and watcher._outputs[-1][1] is None
         out.pow(2).mean().backward()

@@ -377,8 +377,12 @@ def test_modules_that_could_name_nothing_are_not_hooked() -> None:
         nn.Linear(4, 4), nn.ReLU(), nn.ReLU(inplace=True), nn.Identity(), nn.GELU(), nn.Linear(4, 2)
     )
     before = {id(m): len(m._forward_hooks) for m in net.modules()}
-    with gpudiag.watch(net, record_dir=False):
+    with gpudiag.watch(net, record_dir=False, localize="trail"):
         hooked = [type(m).__name__ for m in net.modules() if len(m._forward_hooks) > before[id(m)]]
     # the root Sequential has the watcher's own root hooks; inside it only what can name an origin
     assert hooked == ["Sequential", "Linear", "ReLU", "Linear"]
+    # replayed (the default on one device): only the root's, the module hooks come with a replay
+    with gpudiag.watch(net, record_dir=False) as watcher:
+        hooked = [type(m).__name__ for m in net.modules() if len(m._forward_hooks) > before[id(m)]]
+    assert watcher.localize == "replay" and hooked == ["Sequential"]
     assert net[2].inplace

@@ -1,0 +1,122 @@
+"""Replay: how a clean step keeps no forward trail. A forward hook on every module is most of
+what watching costs a small model (torch's slower call path for a hooked module, then the
+hook), and the trail it keeps is read only on a faulty step. So for a model watched in one
+process on one device (``localize="replay"``) the watcher keeps, per forward, only what it
+takes to run that forward again — its arguments, the random number generators' states and
+the autocast state as it began — and once a witness is not finite it replays the forward
+with the module hooks on (:func:`replay`), which leaves the same trail the hooks would have.
+
+The replay is the model called again on the same inputs, with the same parameters (the
+optimizer has not stepped yet), the same dropout masks (the generators set back to their
+state as the forward began, as ``torch.utils.checkpoint`` does), in the same grad and
+autocast mode. Afterwards the generators go back to where training left them, and the
+buffers (BatchNorm's running statistics, its batch count) are as before the replay (it
+updates copies of them), so training goes on as if it had not run. What it cannot undo: a
+forward's other side effects (the user's own forward hooks, a counter or a cache in the
+model's Python code) happen twice on a faulty step, and a fault that does not recur (a flaky device) is named at the output,
+saying so (:data:`DID_NOT_RECUR`)."""
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpudiag.watch.torchapi import says_nothing
+from gpudiag.watch.witness import tensor_version
+
+#: What the report says where a replay found every module output finite.
+DID_NOT_RECUR = (
+    "the forward replayed with every module watched was finite throughout: the fault did not "
+    "recur (a flaky device, or a forward that does not repeat: its own random generator, "
+    "state it keeps in Python)"
+)
+
+
+@dataclass(slots=True)
+class Capture:
+    """One forward, as it began: enough to run it again."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: list[tuple[torch.Generator, torch.Tensor]]  # (generator, its state)
+    autocast: list[tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)
+    #: the parameters' in-place versions as the forward ended, where it is judged only at the
+    #: end of the backward (CUDA, an Inf output): an optimizer stepping inside the backward
+    #: changes them, and a replay on changed parameters would blame them
+    versions: tuple[int, ...] | None = None
+
+
+def param_versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The parameters' in-place versions (``Tensor._version``, -1 where a torch has none)."""
+    return tuple(tensor_version(p) for p in params)
+
+
+def generators(device: torch.device) -> list[torch.Generator]:
+    """The default random number generators a forward on ``device`` draws from: the CPU's,
+    and the device's own (``torch.cuda.default_generators[i]``) on CUDA."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        cuda_gens = getattr(torch.cuda, "default_generators", ())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index < len(cuda_gens):
+            gens.append(cuda_gens[index])
+    return gens
+
+
+def autocast_devices(device: torch.device) -> tuple[str, ...]:
+    """The device types whose autocast state a forward on ``device`` may run under."""
+    return ("cpu",) if device.type == "cpu" else ("cpu", device.type)
+
+
+def capture(
+    args: tuple[Any, ...], kwargs: dict[str, Any], gens: list[torch.Generator], devices: tuple[str, ...]
+) -> Capture:
+    """What :func:`replay` needs of a forward that is beginning (about 2 µs: a generator
+    state is a small tensor copy, the autocast state a few flags)."""
+    return Capture(
+        args,
+        kwargs,
+        [(g, g.get_state()) for g in gens],
+        [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices],
+    )
+
+
+def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
+    """Run ``captures``' forwards of ``model`` again, in order, with ``hook(path)``'s forward
+    hook on every module that could name an origin (:func:`says_nothing`); put the
+    generators and buffers back afterwards. Returns None, or why it could not run (the
+    parameters changed since, or the exception the model raised on the replay)."""
+    params = list(model.parameters())
+    if any(c.versions is not None and c.versions != param_versions(params) for c in captures):
+        return "its parameters changed before it was checked: an optimizer stepping inside the backward"
+    handles = [
+        m.register_forward_hook(hook(path)) for path, m in model.named_modules() if not says_nothing(m)
+    ]
+    # The replay updates copies of the buffers: the originals are untouched, and their
+    # in-place versions too (autograd checks them: BatchNorm saves its running statistics).
+    buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)]
+    now = {g: g.get_state() for c in captures for g, _ in c.rng}
+    try:
+        for m, name, b in buffers:
+            setattr(m, name, b.detach().clone())
+        for c in captures:
+            for g, state in c.rng:
+                g.set_state(state)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad())
+                for device, enabled, dtype in c.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                model(*c.args, **c.kwargs)
+    except Exception as exc:  # the model's own failure on a second run: said, not raised
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, name, b in buffers:
+            setattr(m, name, b)
+        for g, state in now.items():
+            g.set_state(state)
+    return None
