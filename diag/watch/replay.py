@@ -13,8 +13,8 @@ autocast mode. Afterwards the generators go back to where training left them, an
 buffers (BatchNorm's running statistics, its batch count) are as before the replay (it
 updates copies of them), so training goes on as if it had not run. What it cannot undo: a
 forward's other side effects (the user's own forward hooks, a counter or a cache in the
-model's Python code) happen twice on a faulty step, and a fault that does not recur (a flaky device) is named at the output,
-saying so (:data:`DID_NOT_RECUR`)."""
+model's Python code) happen twice on a faulty step, and a fault that does not recur (a
+flaky device) is named at the output, saying so (:data:`DID_NOT_RECUR`)."""
 
 import contextlib
 from collections.abc import Sequence
