@@ -1,23 +1,20 @@
 """The watcher: hooks on the user's model that find the first non-finite value.
 
-Cost model (a clean step):
+Cost model (a clean step; docs/watch.md has the figures):
 
-- every module's forward hook keeps a *reference* to its output (no computation; the
-  tensors are the ones autograd keeps for backward anyway) — only read when a step goes
-  bad, to name the first module whose output was non-finite; modules whose hook could
-  name nothing are not hooked (:func:`says_nothing`);
+- forwards: in one process on one device, what it takes to run the forward again (its
+  arguments, generator and autocast state: :mod:`gpudiag.watch.replay`), replayed with the
+  module hooks on only once a step goes bad; elsewhere each module's forward hook keeps a
+  *reference* to its output (modules that could name nothing are not hooked: :func:`says_nothing`);
 - the model's outputs get one float32 sum each (a witness: non-finite whenever any element
-  is) and a gradient hook whose sum witnesses the gradient coming in from the loss;
-- gradients: under DDP, each rank's own gradients are witnessed in one pass at the end of
-  the backward, before DDP's finalize copies the all-reduced buckets over them (DDP keeps
-  its C++ all-reduce; :func:`grad_path` names the other ways, for bucket-view gradients),
-  and what came back is witnessed after it; elsewhere (single device, DataParallel,
-  ``no_sync`` micro-steps) one witness per parameter gradient (:func:`grad_witness`),
-  on the CPU a few over all of them (:func:`host_witnesses`);
+  is) and a node pre-hook whose sum witnesses the gradient coming in from the loss;
+- gradients: under DDP each rank's own gradients are witnessed in one pass at the end of
+  the backward, before DDP's finalize copies the all-reduced buckets over them (or as
+  :func:`gpudiag.watch.ddp.attach` chose), and what came back after it; elsewhere one pass
+  (:func:`host_witnesses` on the CPU);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
-  received non-finite from the all-reduce) is all-reduced (MIN) on the way, so every rank
-  learns the same thing at the same step.
+  received non-finite from the all-reduce) is all-reduced (MIN) on the way.
 
 Only when a witness is not finite does the watcher look closer (exact NaN/Inf counts of
 the kept outputs, per-parameter gradients, the DataParallel transfers), and under DDP the
@@ -53,7 +50,7 @@ from gpudiag.watch.found import Local
 from gpudiag.watch.localize import check_local, settle_forward
 from gpudiag.watch.outcome import MAX_SKIPS, SCALE_FLOOR, conclude
 from gpudiag.watch.record import NonFiniteReport
-from gpudiag.watch.replay import Capture, autocast_devices, capture, generators, param_versions
+from gpudiag.watch.replay import Capture, autocast_devices, capture, choose, generators, param_versions
 from gpudiag.watch.torchapi import end_of_backward_callback as _end_of_backward_callback
 from gpudiag.watch.torchapi import says_nothing
 from gpudiag.watch.unwrap import unwrap
@@ -140,7 +137,7 @@ class Watcher:
             )
         #: how a forward fault is traced to its module: "replay", "trail" or "off" (see
         #: :func:`watch`; "off" for a compiled model too, whose `blind` says so)
-        self.localize = localize_mode(localize, self)
+        self.localize = choose(localize, self.placement, self.compiled, self.inner is model)
         if localize is False:
             self.blind.append("localize=False: forward faults are named at the model's output")
         #: replay: the generators a forward draws from, the device types whose autocast it runs under
@@ -212,13 +209,6 @@ class Watcher:
             attach(self, comm_hook)
         if self._hang is not None:
             arm.start(self._hang)
-
-    def _watch_each_gradient(self) -> None:
-        """DDP's own all-reduce, each parameter's gradient summed as it arrives (a Python
-        hook per parameter: the slowest way, for models whose gradients are bucket views)."""
-        self.grad_path = "tensor-hooks"
-        for p in self._params:
-            self._handles.append(p.register_hook(self._param_hook(p)))
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -359,15 +349,6 @@ class Watcher:
             self._agreement = agree(self, befores)
         self._queue(self.after_backward)
 
-    def _param_hook(self, param: torch.Tensor) -> Any:
-        sums = self._param_sums
-
-        def hook(grad: torch.Tensor) -> None:
-            if not self.done:
-                sums.append((param, sum32(grad.detach()).reshape(1)))
-
-        return hook
-
     # -- the check at the end of each backward -----------------------------------------
 
     def after_backward(self) -> None:
@@ -467,26 +448,6 @@ class Watcher:
         return f"<gpudiag.watch {self.placement}, rank {self.rank}/{self.world}, {state}{found}>"
 
 
-def localize_mode(localize: Any, watcher: Watcher) -> str:
-    """``watch(localize=...)`` as one of "replay", "trail", "off" (see :func:`watch`)."""
-    if localize is False or (watcher.compiled and localize in (True, "trail")):
-        return "off"  # (a hook inside a compiled graph would break it)
-    replayable = watcher.placement == "single" and not watcher.compiled and watcher.inner is watcher.model
-    if localize is True:
-        return "replay" if replayable else "trail"
-    if localize == "trail":
-        return "trail"
-    if localize == "replay":
-        if not replayable:
-            raise InputError(
-                f"localize='replay' runs a faulty forward again in this process: not for a "
-                f"{watcher.placement} model{' compiled' if watcher.compiled else ''}, or one watched "
-                "from another root, whose forward runs elsewhere or communicates — use localize='trail'"
-            )
-        return "replay"
-    raise InputError(f"localize={localize!r}: expected True, False, 'trail' or 'replay'")
-
-
 def watch(
     model: nn.Module,
     on_nonfinite: str = "raise",
@@ -513,14 +474,11 @@ def watch(
     whose paths name modules (default: the model inside its wrappers). ``record_dir``: where
     ``watch-rank<R>.json`` goes on a fault (default ``$GPUDIAG_WATCH_DIR`` or
     ``./gpudiag-watch``; False: none; a link or a FIFO there is warned about, not written).
-    ``localize``: how a forward fault is traced to the module it arose in. True (default):
-    ``"replay"`` for a model in one process on one device, else ``"trail"``. ``"trail"``: a
-    forward hook on every module keeps a reference to its output, every step. ``"replay"``:
-    a clean step keeps only the forward's arguments and generator states; on a faulty step
-    the forward is run again with the module hooks on (the user's forward hooks and the
-    model's Python side effects then run twice; buffers and generators are put back) —
-    refused under DDP and DataParallel, whose forwards communicate. False: neither (a forward
-    fault is named at the model's output).
+    ``localize``: how a forward fault is traced to its module — True (default): ``"replay"``
+    in one process on one device, else ``"trail"``; ``"trail"``: every module's forward hook
+    keeps a reference to its output, every step; ``"replay"``: a faulty step's forward runs
+    again with the hooks on (:mod:`gpudiag.watch.replay`: its side effects run twice);
+    False: neither (named at the model's output).
     ``comm_hook`` (DDP): None (default) leaves DDP's own C++ all-reduce (or your comm hook)
     alone and reads each rank's gradients once at the end of the backward, before DDP's
     finalize overwrites them — unless the model has ``gradient_as_bucket_view=True``, then
@@ -531,16 +489,7 @@ def watch(
     ``hang_dir`` (default ``./gpudiag-hang``); ``close()`` stops it (docs/hang.md).
 
     Create it after wrapping the model in DDP and before the first backward."""
-    return Watcher(
-        model,
-        on_nonfinite,
-        scaler=scaler,
-        root=root,
-        record_dir=record_dir,
-        localize=localize,
-        comm_hook=comm_hook,
-        max_skips=max_skips,
-        scale_floor=scale_floor,
-        hang_timeout=hang_timeout,
-        hang_dir=hang_dir,
-    )
+    options: dict[str, Any] = dict(scaler=scaler, root=root, record_dir=record_dir, localize=localize)
+    limits: dict[str, Any] = dict(max_skips=max_skips, scale_floor=scale_floor, hang_timeout=hang_timeout)
+    options.update(comm_hook=comm_hook, hang_dir=hang_dir)
+    return Watcher(model, on_nonfinite, **options, **limits)

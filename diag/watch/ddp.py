@@ -24,7 +24,7 @@ from gpudiag.watch.found import PHASE_ORDER, Local, asdict_local
 from gpudiag.watch.localize import diagnose, scaler_skip
 from gpudiag.watch.outcome import conclude
 from gpudiag.watch.torchapi import user_stacklevel
-from gpudiag.watch.witness import bucket_gradients, grad_witness, tensor_version
+from gpudiag.watch.witness import bucket_gradients, grad_witness, sum32, tensor_version
 
 _INF = math.inf
 
@@ -175,7 +175,7 @@ def finalize_came_after(watcher: Any, pre: "PreFinalize") -> bool:
         RuntimeWarning,
         stacklevel=user_stacklevel(),
     )
-    watcher._watch_each_gradient()
+    watch_each_gradient(watcher)
     return False
 
 
@@ -336,4 +336,21 @@ def attach(watcher: Any, comm_hook: bool | None) -> None:
                 f"({exc}); watch the model before registering yours, or pass comm_hook=False"
             ) from exc
     elif watcher.grad_path == "tensor-hooks":
-        watcher._watch_each_gradient()
+        watch_each_gradient(watcher)
+
+
+def watch_each_gradient(watcher: Any) -> None:
+    """DDP's own all-reduce, each parameter's gradient summed as it arrives (a Python hook
+    per parameter: the slowest way, for models whose gradients are bucket views)."""
+    watcher.grad_path = "tensor-hooks"
+    sums = watcher._param_sums
+
+    def hook_for(param: torch.Tensor) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if not watcher.done:
+                sums.append((param, sum32(grad.detach()).reshape(1)))
+
+        return hook
+
+    for p in watcher._params:
+        watcher._handles.append(p.register_hook(hook_for(p)))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpudiag.errors import InputError
 from gpudiag.watch.torchapi import says_nothing
 from gpudiag.watch.witness import tensor_version
 
@@ -52,6 +53,29 @@ class Capture:
 def param_versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The parameters' in-place versions (``Tensor._version``, -1 where a torch has none)."""
     return tuple(tensor_version(p) for p in params)
+
+
+def choose(localize: Any, placement: str, compiled: bool, own_root: bool) -> str:
+    """``watch(localize=...)`` as "replay", "trail" or "off" (see :func:`gpudiag.watch.core.watch`):
+    a replay for a model in one process on one device that is its own root (not compiled:
+    a hook inside a compiled graph would break it, so "off", which its ``blind`` says)."""
+    if localize is False or (compiled and localize in (True, "trail")):
+        return "off"
+    replayable = placement == "single" and not compiled and own_root
+    if localize is True:
+        return "replay" if replayable else "trail"
+    if localize == "trail":
+        return "trail"
+    if localize == "replay":
+        if not replayable:
+            what = f"{placement} model{' compiled' if compiled else ''}"
+            raise InputError(
+                f"localize='replay' runs a faulty forward again in this process: not for a {what}, "
+                "or one watched from another root, whose forward runs elsewhere or communicates — "
+                "use localize='trail'"
+            )
+        return "replay"
+    raise InputError(f"localize={localize!r}: expected True, False, 'trail' or 'replay'")
 
 
 def generators(device: torch.device) -> list[torch.Generator]:
