@@ -50,7 +50,8 @@ class WatchCallback(Callback):
             scaler=getattr(plugin, "scaler", None),
             root=pl_module,
             record_dir=self.record_dir,
-            localize=self.localize,
+            # Lightning calls training_step, not the model: no forward of the model to replay
+            localize="trail" if self.localize is True else self.localize,
         )
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:

@@ -262,3 +262,44 @@ def test_accelerate_clean_run_reports_nothing(tmp_path: Path) -> None:
     for result in map(json.loads, map(bytes, results)):
         assert "crash" not in result, result.get("crash")
         assert result["report"] is None and not result["raised"]
+
+
+# -- one process: the model replayed (HF, Accelerate) or hooked (Lightning) -------------
+
+
+def _alone(rank: int, world: int, rank_fn: Any, folder: str) -> bytes:
+    """``rank_fn`` in a forked process that is no rank of any group: no torchrun variables,
+    no process group (the libraries then train on one process, without DDP)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    globals()["_as_torchrun"] = lambda *args: warnings.simplefilter("ignore")  # (this child only)
+    try:
+        return rank_fn(0, 1, 0, 0, folder)
+    finally:  # a group again for the launcher to leave
+        dist.init_process_group("gloo", init_method=f"file://{folder}/alone-store", rank=0, world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("library", "rank_fn", "module"),
+    [
+        ("pytorch_lightning", _lightning_rank, "net.2"),
+        ("transformers", _hf_rank, "bert.encoder.layer.1.attention.output.dense"),
+        ("accelerate", _accelerate_rank, "2.0"),
+    ],
+    ids=["lightning", "hf", "accelerate"],
+)
+def test_one_process_names_the_module_and_step(
+    tmp_path: Path, library: str, rank_fn: Any, module: str
+) -> None:
+    """One process: HF and Accelerate call the model, whose faulty forward is replayed;
+    Lightning calls training_step, not the model, so its callback keeps the module hooks."""
+    pytest.importorskip(library, reason=f"{library} not installed (the test extra has it)")
+    (raw,) = launch(_alone, 1, args=(rank_fn, str(tmp_path)), timeout=120, method="fork")
+    result = json.loads(bytes(raw))
+    assert "crash" not in result, result.get("crash")
+    report = result["report"]
+    assert result["raised"] and result["placement"] == "single" and report is not None
+    assert (report["module"], report["step"], report["phase"]) == (module, STEP, "forward")
