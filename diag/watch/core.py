@@ -220,7 +220,12 @@ class Watcher:
 
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             # Run by every module on every forward: kept to a few attribute reads and one append.
-            if self.done or self._eval or not grad_enabled() or len(trail) >= TRAIL_LIMIT:
+            if (
+                self.done
+                or self._eval
+                or not (grad_enabled() or self._replaying)
+                or len(trail) >= TRAIL_LIMIT
+            ):
                 return
             versions: tuple[int, ...]
             if type(output) is torch.Tensor:  # the usual case, without the generator

@@ -8,10 +8,12 @@ with the module hooks on (:func:`replay`), which leaves the same trail the hooks
 
 The replay is the model called again on the same inputs, with the same parameters (the
 optimizer has not stepped yet), the same dropout masks (the generators set back to their
-state as the forward began, as ``torch.utils.checkpoint`` does), in the same grad and
-autocast mode. Afterwards the generators go back to where training left them, and the
-buffers (BatchNorm's running statistics, its batch count) are as before the replay (it
-updates copies of them), so training goes on as if it had not run. What it cannot undo: a
+state as the forward began, as ``torch.utils.checkpoint`` does), in the same autocast
+mode, under ``no_grad`` (no second autograd graph: the replay holds only the module
+outputs the hooks keep; torch's modules take the same path in training mode either way).
+Afterwards the generators go back to where training left them, and the buffers
+(BatchNorm's running statistics, its batch count) are as before the replay (it updates
+copies of them), so training goes on as if it had not run. What it cannot undo: a
 forward's other side effects (the user's own forward hooks, a counter or a cache in the
 model's Python code) happen twice on a faulty step, and a fault that does not recur (a
 flaky device) is named at the output, saying so (:data:`DID_NOT_RECUR`)."""
@@ -130,7 +132,7 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
             for g, state in c.rng:
                 g.set_state(state)
             with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.enable_grad())
+                stack.enter_context(torch.no_grad())  # no second graph: only the outputs kept
                 for device, enabled, dtype in c.autocast:
                     stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
                 model(*c.args, **c.kwargs)
