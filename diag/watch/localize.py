@@ -85,10 +85,15 @@ def diagnose(
     return None
 
 
+def scaler_enabled(watcher: Any) -> bool:
+    """Whether the watcher was given a GradScaler that is on."""
+    return watcher.scaler is not None and bool(getattr(watcher.scaler, "is_enabled", lambda: True)())
+
+
 def scaler_skip(watcher: Any, local: Local) -> Local:
     """A backward fault under an enabled GradScaler is its overflow: the scaler skips
     the step and lowers its scale (what it is for), noted, not a fault."""
-    if watcher.scaler is not None and getattr(watcher.scaler, "is_enabled", lambda: True)():
+    if scaler_enabled(watcher):
         local.kind = "scaler-skip"
         local.detail += "; the GradScaler skips this step and lowers its scale"
     return local
@@ -262,11 +267,14 @@ def bad_parameter(watcher: Any, module: nn.Module) -> tuple[str, int] | None:
 
 def bad_gradient(watcher: Any, bad_grads: list[tuple[Any, int]]) -> Local:
     """The first module in backward order (the last in forward order) whose
-    parameters' own gradients were non-finite."""
+    parameters' own gradients were non-finite. The order is the forward trail's; a
+    GradScaler's overflow (a skip, noted and not raised, and normal in fp16 training) is not
+    worth a replay of its forward: there the parameters' own order stands in."""
+    skip = scaler_enabled(watcher) and watcher.localize == "replay" and not watcher._replayed
     order: dict[str, int] = {}
     for path in [
         *(p for paths in watcher._order for p in paths),
-        *(seen.path for seen in seen_calls(watcher)),
+        *(seen.path for seen in ([] if skip else seen_calls(watcher))),
     ]:
         order.setdefault(path, len(order))
 

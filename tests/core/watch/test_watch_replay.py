@@ -204,3 +204,32 @@ def test_localize_is_chosen_by_placement_and_checked() -> None:
         gpudiag.watch(vdp, record_dir=False, localize="replay")
     with pytest.raises(InputError, match="expected True, False, 'trail' or 'replay'"):
         gpudiag.watch(Net(), record_dir=False, localize="sometimes")
+
+
+def scaler_run(localize: str) -> tuple[list[tuple[str, int, str, str]], int]:
+    """Four steps under a GradScaler whose backward overflows at steps 1 and 2: the events
+    noted, and how many times the forward ran."""
+    torch.manual_seed(0)
+    net = Net()
+    calls = []
+    net.body[0].register_forward_pre_hook(lambda m, args: calls.append(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    models.poison(net.body[2].norm, lambda: watcher.step in (1, 2), kind="grad")
+    watcher = gpudiag.watch(net, "raise", scaler=scaler, record_dir=False, localize=localize)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(4):
+        scaler.scale(net(torch.randn(6, 8)).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert watcher.report is None
+    return [(e.kind, e.step, e.module, e.detail) for e in watcher.events], len(calls)
+
+
+def test_a_grad_scaler_skip_is_not_replayed() -> None:
+    """An overflow in the backward the GradScaler skips (normal in fp16 training) is noted
+    without running the forward again — each step's forward runs once — and named as the
+    hooks on every step name it."""
+    (trail, _), (replayed, calls) = scaler_run("trail"), scaler_run("replay")
+    assert calls == 4 and replayed == trail
+    assert [e[:3] for e in replayed] == [("scaler-skip", 1, "body.2.lin"), ("scaler-skip", 2, "body.2.lin")]
