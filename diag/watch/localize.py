@@ -142,14 +142,16 @@ def forward_verdict(outputs: list[tuple[torch.Tensor, Any, str]]) -> str:
     return verdict
 
 
-def seen_calls(watcher: Any) -> list[Seen]:
+def seen_calls(watcher: Any, every: bool = False) -> list[Seen]:
     """This step's module calls, in the order they returned: the hooks' trail — which, under
-    ``localize="replay"``, the step's forwards replayed with the hooks on make now, once."""
-    if watcher.localize == "replay" and not watcher._replayed and watcher._captures:
+    ``localize="replay"``, the step's forwards replayed with the hooks on make now, once:
+    those not judged clean as they ended, or ``every`` one (a gradient's order)."""
+    captures = [c for c in watcher._captures if every or not c.settled]
+    if watcher.localize == "replay" and not watcher._replayed and captures:
         watcher._replayed, watcher._replaying, evaluating = True, True, watcher._eval
         watcher._eval = False
         try:
-            watcher._replay_error = replay(watcher.model, list(watcher._captures), watcher._module_hook)
+            watcher._replay_error = replay(watcher.model, captures, watcher._module_hook)
         finally:
             watcher._replaying, watcher._eval = False, evaluating
     return [Seen(*seen) for seen in watcher._trail]
@@ -274,7 +276,7 @@ def bad_gradient(watcher: Any, bad_grads: list[tuple[Any, int]]) -> Local:
     order: dict[str, int] = {}
     for path in [
         *(p for paths in watcher._order for p in paths),
-        *(seen.path for seen in ([] if skip else seen_calls(watcher))),
+        *(seen.path for seen in ([] if skip else seen_calls(watcher, every=True))),
     ]:
         order.setdefault(path, len(order))
 
@@ -357,6 +359,8 @@ def settle_forward(watcher: Any, witness: torch.Tensor) -> None:
     if watcher._holding:
         return
     watcher._order.append([seen[0] for seen in watcher._trail])
+    for c in watcher._captures:  # (replay: as the trail is let go)
+        c.settled = True
     watcher._trail.clear()
     watcher._inputs.clear()
     if clean:

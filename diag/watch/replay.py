@@ -11,7 +11,9 @@ optimizer has not stepped yet), the same dropout masks (the generators set back 
 state as the forward began, as ``torch.utils.checkpoint`` does), in the same autocast
 mode, under ``no_grad`` (no second autograd graph: the replay holds only the module
 outputs the hooks keep; torch's modules take the same path in training mode either way).
-Afterwards the generators go back to where training left them, and the buffers
+It runs on copies of the forward's tensor arguments (one that changes its input in place
+changes the copy, not the batch autograd saved). Afterwards the generators go back to
+where training left them (Python's and NumPy's too: not set back for the replay), and the buffers
 (BatchNorm's running statistics, its batch count) are as before the replay (it updates
 copies of them), so training goes on as if it had not run. What it cannot undo: a
 forward's other side effects (the user's own forward hooks, a counter or a cache in the
@@ -19,6 +21,8 @@ model's Python code) happen twice on a faulty step, and a fault that does not re
 flaky device) is named at the output, saying so (:data:`DID_NOT_RECUR`)."""
 
 import contextlib
+import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +54,9 @@ class Capture:
     #: end of the backward (CUDA, an Inf output): an optimizer stepping inside the backward
     #: changes them, and a replay on changed parameters would blame them
     versions: tuple[int, ...] | None = None
+    #: judged clean as it ended (the CPU): replayed for a gradient's order only, not searched
+    #: for a later forward's fault (the hooks' trail of it was let go then too)
+    settled: bool = False
 
 
 def param_versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -125,6 +132,8 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
     # in-place versions too (autograd checks them: BatchNorm saves its running statistics).
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)]
     now = {g: g.get_state() for c in captures for g, _ in c.rng}
+    numpy = sys.modules.get("numpy")  # (drawn from by some models' LayerDrop; not imported for it)
+    py_now, np_now = random.getstate(), numpy.random.get_state() if numpy is not None else None
     try:
         for m, name, b in buffers:
             setattr(m, name, b.detach().clone())
@@ -135,7 +144,7 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
                 stack.enter_context(torch.no_grad())  # no second graph: only the outputs kept
                 for device, enabled, dtype in c.autocast:
                     stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-                model(*c.args, **c.kwargs)
+                model(*copied(c.args), **copied(c.kwargs))
     except Exception as exc:  # the model's own failure on a second run: said, not raised
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     finally:
@@ -145,4 +154,20 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
             setattr(m, name, b)
         for g, state in now.items():
             g.set_state(state)
+        random.setstate(py_now)
+        if numpy is not None:
+            numpy.random.set_state(np_now)
     return None
+
+
+def copied(value: Any) -> Any:
+    """``value`` with each tensor in it (in tuples, lists and dicts too) a copy: a forward
+    that changes its input in place (``x.sub_(mean)``) changes the copy on the replay, not the
+    tensor the first forward saved for its backward (whose version autograd checks)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (tuple, list):
+        return type(value)(copied(v) for v in value)
+    if type(value) is dict:
+        return {k: copied(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,139 @@
+"""``localize="replay"`` against forwards that are harder to run twice: a forward that
+changes its input in place, one that draws from Python's and NumPy's generators, and
+gradient accumulation whose earlier micro-batch held a NaN the model itself cleaned away.
+Each names what the hooks on every step (``localize="trail"``) name, and training goes on as
+without the watcher."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gpudiag
+
+
+def named(watcher: Any) -> tuple[int, str, str, str]:
+    report = watcher.report
+    assert report is not None
+    return report.step, report.module, report.phase, report.detail
+
+
+class Standardises(nn.Module):
+    """Centres its input in place (``x.sub_``: a common first line), a NaN at step 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.sub_(x.mean())
+        h = self.a(x)  # saves x for its weight's gradient: the version autograd checks
+        return self.b(h * float("nan") if self.bad else h)
+
+
+def standardises(localize: str) -> tuple[int, str, str, str]:
+    torch.manual_seed(0)
+    net = Standardises()
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for step in range(3):
+            net.bad = step == 1
+            net(torch.randn(3, 4)).sum().backward()  # the replay must not break this backward
+    return named(watcher)
+
+
+def test_a_forward_that_changes_its_input_in_place_replays_on_a_copy() -> None:
+    """The replay ran ``x.sub_`` again on the batch the first forward saved for its
+    backward: autograd's "modified by an inplace operation" out of the user's backward."""
+    assert standardises("replay") == standardises("trail")
+
+
+class LayerDrop(nn.Module):
+    """Skips layers by Python's and NumPy's generators (as some HF models' LayerDrop does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            skip = random.random() < 0.3 if i % 2 else np.random.random() < 0.3
+            x = x if skip else layer(x)
+        return x
+
+
+def test_python_and_numpy_generators_go_on_as_without_the_replay() -> None:
+    draws = []
+    for localize in ("trail", "replay"):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        net = LayerDrop()
+        with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+            for step in range(3):
+                x = torch.randn(3, 4)
+                if step == 1:
+                    x[0, 0] = float("nan")
+                net(x).sum().backward()
+        assert watcher.report is not None and watcher.report.module == "<input>"
+        draws.append((random.random(), float(np.random.random())))
+    assert draws[0] == draws[1]
+
+
+class ZeroToNaN(nn.Module):
+    """NaN wherever its input is 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x * x
+
+
+class Cleans(nn.Module):
+    """``a``'s NaNs are cleaned away by the model itself (``nan_to_num``): not a fault."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = ZeroToNaN()
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(torch.nan_to_num(self.a(x))))
+
+
+def accumulates(localize: str) -> tuple[int, str, str, str]:
+    """Two micro-batches, one backward: the first's ``a`` makes a NaN it cleans away, the
+    second's ``b`` output goes NaN (its weight broke between the forwards)."""
+    torch.manual_seed(0)
+    net = Cleans()
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        first = torch.randn(3, 4)
+        first[0, 0] = 0.0
+        loss = net(first).sum()
+        with torch.no_grad():
+            net.b.weight[0, 0] = float("nan")
+        (loss + net(torch.randn(3, 4)).sum()).backward()
+    return named(watcher)
+
+
+def test_an_earlier_micro_batch_judged_clean_is_not_replayed_for_a_forward_fault() -> None:
+    trail = accumulates("trail")
+    assert trail[1] == "b" and accumulates("replay") == trail
+
+
+@pytest.mark.parametrize("localize", ["trail", "replay"])
+def test_a_gradient_fault_after_accumulation_is_ordered_by_every_micro_batch(localize: str) -> None:
+    """The gradient's order comes from all the step's forwards, those judged clean too."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    net[1].register_full_backward_hook(
+        lambda m, gi, go: (gi[0].index_fill(1, torch.tensor([0]), float("inf")),)
+    )
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        (net(torch.randn(3, 4)).sum() + net(torch.randn(3, 4)).sum()).backward()
+    assert named(watcher)[1:3] == ("0", "backward")
