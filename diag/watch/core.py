@@ -35,6 +35,7 @@ from torch import nn
 
 from gpudiag.errors import InputError
 from gpudiag.hang import arm
+from gpudiag.watch import replay as rp
 from gpudiag.watch.ddp import (
     Agreement,
     CommState,
@@ -50,9 +51,7 @@ from gpudiag.watch.found import Local
 from gpudiag.watch.localize import check_local, settle_forward
 from gpudiag.watch.outcome import MAX_SKIPS, SCALE_FLOOR, conclude
 from gpudiag.watch.record import NonFiniteReport
-from gpudiag.watch.replay import Capture, autocast_devices, capture, choose, generators, param_versions
 from gpudiag.watch.torchapi import end_of_backward_callback as _end_of_backward_callback
-from gpudiag.watch.torchapi import says_nothing
 from gpudiag.watch.unwrap import unwrap
 from gpudiag.watch.witness import float_tensors, has_versions, output_witness, sum32, tensor_version
 
@@ -137,12 +136,12 @@ class Watcher:
             )
         #: how a forward fault is traced to its module: "replay", "trail" or "off" (see
         #: :func:`watch`; "off" for a compiled model too, whose `blind` says so)
-        self.localize = choose(localize, self.placement, self.compiled, self.inner is model)
+        self.localize = rp.choose(localize, self.placement, self.compiled, self.inner is model)
         if localize is False:
             self.blind.append("localize=False: forward faults are named at the model's output")
         #: replay: the generators a forward draws from, the device types whose autocast it runs under
-        self._gens = generators(self.device) if self.localize == "replay" else []
-        self._autocast = autocast_devices(self.device)
+        self._gens = rp.generators(self.device) if self.localize == "replay" else []
+        self._autocast = rp.autocast_devices(self.device)
 
         self.step = 0  # backward passes completed
         #: this run's name in its records (under DDP the first rank's, agreed on at watch())
@@ -163,7 +162,7 @@ class Watcher:
         self._holding = False
         self._inputs: list[Any] = []
         #: replay: this step's training forwards as they began (what it takes to run them again)
-        self._captures: list[Capture] = []
+        self._captures: list[rp.Capture] = []
         self._replaying = False  # the watcher's own replay of a forward is running
         self._replayed = False  # replay: this step's forwards were replayed (the trail holds them)
         self._replay_error: str | None = None  # why they could not be (the model's exception)
@@ -191,9 +190,7 @@ class Watcher:
 
         self._handles.append(model.register_forward_pre_hook(self._pre_root, with_kwargs=True))
         if self.localize == "trail":
-            for path, module in self.inner.named_modules():
-                if not says_nothing(module):
-                    self._handles.append(module.register_forward_hook(self._module_hook(path)))
+            rp.hook_modules(self)
         # after the module hooks: where the model is its own root, its output is kept first
         self._handles.append(model.register_forward_hook(self._post_root))
         self._comm: CommState | None = None
@@ -255,7 +252,7 @@ class Watcher:
             self._only_eval = False
             self._inputs.append((inputs, kwargs) if kwargs else inputs)
             if self._gens:
-                self._captures.append(capture(inputs, kwargs, self._gens, self._autocast))
+                self._captures.append(rp.capture(inputs, kwargs, self._gens, self._autocast))
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
         if not self._replaying:
@@ -268,6 +265,8 @@ class Watcher:
         ``training_step``) pass it here; ``name`` is what a fault first seen in it is called."""
         if self.done or self.closed or not torch.is_grad_enabled():
             return
+        if name and self.localize == "replay" and not self._forwards:  # the model was not called
+            rp.hook_modules(self)
         if type(output) is torch.Tensor:  # the usual case, without the generator
             tensors = [output] if output.is_floating_point() or output.is_complex() else []
         else:
@@ -284,7 +283,7 @@ class Watcher:
         if witness.is_cuda:
             self._fwd_device = True
             if self._captures and self._captures[-1].versions is None:  # judged after the backward
-                self._captures[-1].versions = param_versions(self._all_params)
+                self._captures[-1].versions = rp.param_versions(self._all_params)
         else:
             settle_forward(self, witness)
 

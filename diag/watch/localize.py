@@ -250,7 +250,8 @@ def first_bad_output(watcher: Any, nan_only: bool = False) -> Local | None:
                 watcher,
                 "forward",
                 name,
-                f"{name} was non-finite ({bad} of {total}), every module output finite",
+                f"{name} was non-finite ({bad} of {total}), "
+                + ("every module output finite" if trail else "no module output seen on this step"),
             )
         if bad:
             return local_at(

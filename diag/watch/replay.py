@@ -87,6 +87,17 @@ def choose(localize: Any, placement: str, compiled: bool, own_root: bool) -> str
     raise InputError(f"localize={localize!r}: expected True, False, 'trail' or 'replay'")
 
 
+def hook_modules(watcher: Any) -> None:
+    """The watcher's forward hook on every module below its root that could name an origin
+    (:func:`says_nothing`), on every step from now on (``localize="trail"``): at ``watch()``,
+    or once a loss comes to ``observe()`` in a step that never called the model (its modules
+    called through its other methods, ``encode``/``decode``: no forward to replay)."""
+    watcher.localize, watcher._gens = "trail", []
+    for path, module in watcher.inner.named_modules():
+        if not says_nothing(module):
+            watcher._handles.append(module.register_forward_hook(watcher._module_hook(path)))
+
+
 def generators(device: torch.device) -> list[torch.Generator]:
     """The default random number generators a forward on ``device`` draws from: the CPU's,
     and the device's own (``torch.cuda.default_generators[i]``) on CUDA."""

@@ -137,3 +137,39 @@ def test_a_gradient_fault_after_accumulation_is_ordered_by_every_micro_batch(loc
     with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
         (net(torch.randn(3, 4)).sum() + net(torch.randn(3, 4)).sum()).backward()
     assert named(watcher)[1:3] == ("0", "backward")
+
+
+class Autoencoder(nn.Module):
+    """Used through its methods (``encode``/``decode``, as VAEs and CLIP are), never ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 1)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+    def decode(self, h: torch.Tensor) -> torch.Tensor:
+        return self.dec(h)
+
+
+def through_methods(localize: Any, bad_step: int) -> tuple[int, str, str, str]:
+    torch.manual_seed(0)
+    net = Autoencoder()
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for step in range(3):
+            h = net.encode(torch.randn(3, 4))
+            loss = net.decode(h * float("nan") if step == bad_step else h).sum()
+            watcher.observe(loss)
+            loss.backward()
+    return named(watcher)
+
+
+def test_a_model_called_through_its_methods_is_watched_module_by_module() -> None:
+    """Nothing to replay: the watcher hooks its modules from the first loss on (as the
+    hooks on every step do), and where it saw no module it does not say they were finite."""
+    assert through_methods(True, bad_step=1) == through_methods("trail", bad_step=1)
+    step, module, phase, detail = through_methods(True, bad_step=0)
+    assert (step, module, phase) == (0, "<loss>", "forward")
+    assert "every module output finite" not in detail and "no module" in detail
