@@ -25,6 +25,7 @@ from tests.core.hang.test_hang_run import _port
 
 WATCHED = textwrap.dedent(
     """\
+    import sys
     import threading
     import torch
     import torch.distributed as dist
@@ -43,7 +44,9 @@ WATCHED = textwrap.dedent(
         dist.all_reduce(x)
     dist.barrier()
     watcher.close()
-    print("rank", rank, "threads", sorted(t.name for t in threading.enumerate()), flush=True)
+    # one write per line: the ranks share stdout, and print writes each piece on its own
+    sys.stdout.write(f"rank {rank} threads {sorted(t.name for t in threading.enumerate())}\\n")
+    sys.stdout.flush()
     """
 )
 
