@@ -21,8 +21,10 @@ model's Python code) happen twice on a faulty step, and a fault that does not re
 flaky device) is named at the output, saying so (:data:`DID_NOT_RECUR`)."""
 
 import contextlib
+import copy
 import random
 import sys
+from collections import UserDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,9 +95,14 @@ def hook_modules(watcher: Any) -> None:
     or once a loss comes to ``observe()`` in a step that never called the model (its modules
     called through its other methods, ``encode``/``decode``: no forward to replay)."""
     watcher.localize, watcher._gens = "trail", []
-    for path, module in watcher.inner.named_modules():
-        if not says_nothing(module):
-            watcher._handles.append(module.register_forward_hook(watcher._module_hook(path)))
+    for path, module in hookable(watcher.inner):
+        watcher._handles.append(module.register_forward_hook(watcher._module_hook(path)))
+
+
+def hookable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module below ``model`` whose forward hook could name a fault's
+    origin (:func:`says_nothing`)."""
+    return [(path, m) for path, m in model.named_modules() if not says_nothing(m)]
 
 
 def generators(device: torch.device) -> list[torch.Generator]:
@@ -136,9 +143,7 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
     params = list(model.parameters())
     if any(c.versions is not None and c.versions != param_versions(params) for c in captures):
         return "its parameters changed before it was checked: an optimizer stepping inside the backward"
-    handles = [
-        m.register_forward_hook(hook(path)) for path, m in model.named_modules() if not says_nothing(m)
-    ]
+    handles = [m.register_forward_hook(hook(path)) for path, m in hookable(model)]
     # The replay updates copies of the buffers: the originals are untouched, and their
     # in-place versions too (autograd checks them: BatchNorm saves its running statistics).
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)]
@@ -172,13 +177,20 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
 
 
 def copied(value: Any) -> Any:
-    """``value`` with each tensor in it (in tuples, lists and dicts too) a copy: a forward
-    that changes its input in place (``x.sub_(mean)``) changes the copy on the replay, not the
-    tensor the first forward saved for its backward (whose version autograd checks)."""
+    """``value`` with each tensor in it a copy — in tuples, named tuples, lists, dicts and
+    dict-like containers (``OrderedDict``, a ``UserDict`` such as transformers'
+    ``BatchEncoding``) too: a forward that changes its input in place (``x.sub_(mean)``)
+    changes the copy on the replay, not the tensor the first forward saved for its backward
+    (whose version autograd checks). Other objects are passed as they are."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(copied(v) for v in value))
     if type(value) in (tuple, list):
         return type(value)(copied(v) for v in value)
-    if type(value) is dict:
-        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, (dict, UserDict)):
+        new = copy.copy(value)  # (the same kind of mapping, its other state kept)
+        for key in list(value.keys()):
+            new[key] = copied(value[key])
+        return new
     return value

@@ -7,7 +7,8 @@ without the watcher."""
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections import UserDict
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -173,3 +174,40 @@ def test_a_model_called_through_its_methods_is_watched_module_by_module() -> Non
     step, module, phase, detail = through_methods(True, bad_step=0)
     assert (step, module, phase) == (0, "<loss>", "forward")
     assert "every module output finite" not in detail and "no module" in detail
+
+
+class Batch(NamedTuple):
+    x: torch.Tensor
+    scale: float
+
+
+class StandardisesContainers(nn.Module):
+    """Centres the tensors it is given in a named tuple and in a dict-like batch in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+        self.bad = False
+
+    def forward(self, batch: Batch, extra: UserDict) -> torch.Tensor:
+        batch.x.sub_(batch.x.mean())
+        extra["y"].sub_(extra["y"].mean())
+        h = self.a(batch.x) * batch.scale + self.a(extra["y"])  # each saved for the weight's gradient
+        return self.b(h * float("nan") if self.bad else h)
+
+
+def containers(localize: str) -> tuple[int, str, str, str]:
+    torch.manual_seed(0)
+    net = StandardisesContainers()
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for step in range(3):
+            net.bad = step == 1
+            extra = UserDict(y=torch.randn(3, 4))
+            net(Batch(torch.randn(3, 4), 0.5), extra).sum().backward()
+    return named(watcher)
+
+
+def test_tensors_in_named_tuples_and_dict_like_batches_are_copied_for_the_replay() -> None:
+    replayed = containers("replay")  # (before: autograd's "modified by an inplace operation")
+    assert replayed == containers("trail") and replayed[0] == 1 and replayed[2] == "forward"
