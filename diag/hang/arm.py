@@ -97,6 +97,8 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
         or not 0 < stall_s <= sys.float_info.max
     ):
         raise InputError(f"hang_timeout={stall_s!r}: expected a number of seconds above 0")
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise InputError(f"hang_dir={out!r}: expected a folder's path")
     folder = Path(DEFAULT_DIR if out is None else out)
     if (folder.exists() or folder.is_symlink()) and not folder.is_dir():  # (a link to nothing: too)
         raise InputError(f"{folder}: not a folder (where the hang dumps would go)")

@@ -264,3 +264,10 @@ def test_a_script_that_never_closes_its_watcher_exits_cleanly(tmp_path: Path) ->
     )
     assert done.returncode == 0 and done.stdout == "armed 1\n", done.stderr[-3000:]
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("hang_dir", [123, b"hang", ["hang"]])
+def test_a_hang_dir_that_is_no_path_is_an_input_error(hang_dir: object) -> None:
+    """(Was a TypeError out of pathlib.)"""
+    with pytest.raises(InputError, match=r"hang_dir=.*expected a folder's path"):
+        gpudiag.watch(nn.Linear(3, 1), hang_timeout=30, hang_dir=hang_dir)  # type: ignore[arg-type]
