@@ -10,7 +10,8 @@ The replay is the model called again on the same inputs, with the same parameter
 optimizer has not stepped yet), the same dropout masks (the generators set back to their
 state as the forward began, as ``torch.utils.checkpoint`` does), in the same autocast
 mode, under ``no_grad`` (no second autograd graph: the replay holds only the module
-outputs the hooks keep; torch's modules take the same path in training mode either way).
+outputs the hooks keep; torch's modules take the same path in training mode either way; a
+forward that differentiates inside itself raises there, and is replayed in grad mode).
 It runs on copies of the forward's tensor arguments (one that changes its input in place
 changes the copy, not the batch autograd saved). Afterwards the generators go back to
 where training left them (Python's and NumPy's too: not set back for the replay), and the buffers
@@ -135,11 +136,13 @@ def capture(
     )
 
 
-def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
+def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = False) -> str | None:
     """Run ``captures``' forwards of ``model`` again, in order, with ``hook(path)``'s forward
     hook on every module that could name an origin (:func:`says_nothing`); put the
-    generators and buffers back afterwards. Returns None, or why it could not run (the
-    parameters changed since, or the exception the model raised on the replay)."""
+    generators and buffers back afterwards. Under ``no_grad``, or with ``grad`` in grad mode
+    (a forward that differentiates inside itself, ``torch.autograd.grad``, needs it: the
+    caller's second try). Returns None, or why it could not run (the parameters changed
+    since, or the exception the model raised on the replay)."""
     params = list(model.parameters())
     if any(c.versions is not None and c.versions != param_versions(params) for c in captures):
         return "its parameters changed before it was checked: an optimizer stepping inside the backward"
@@ -157,7 +160,8 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any) -> str | None:
             for g, state in c.rng:
                 g.set_state(state)
             with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.no_grad())  # no second graph: only the outputs kept
+                # no second graph, unless asked for: only the module outputs kept
+                stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
                 for device, enabled, dtype in c.autocast:
                     stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
                 model(*copied(c.args), **copied(c.kwargs))
@@ -182,8 +186,8 @@ def copied(value: Any) -> Any:
     ``BatchEncoding``) too: a forward that changes its input in place (``x.sub_(mean)``)
     changes the copy on the replay, not the tensor the first forward saved for its backward
     (whose version autograd checks). Other objects are passed as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+    if isinstance(value, torch.Tensor):  # (requires_grad kept: a forward may differentiate by it)
+        return value.detach().clone().requires_grad_(value.requires_grad)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
         return type(value)(*(copied(v) for v in value))
     if type(value) in (tuple, list):

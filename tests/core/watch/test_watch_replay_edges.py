@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import gpudiag
+from tests.helpers import models
 
 
 def named(watcher: Any) -> tuple[int, str, str, str]:
@@ -211,3 +212,35 @@ def containers(localize: str) -> tuple[int, str, str, str]:
 def test_tensors_in_named_tuples_and_dict_like_batches_are_copied_for_the_replay() -> None:
     replayed = containers("replay")  # (before: autograd's "modified by an inplace operation")
     assert replayed == containers("trail") and replayed[0] == 1 and replayed[2] == "forward"
+
+
+class PhysicsInformed(nn.Module):
+    """A forward that differentiates its output by its input (``autograd.grad``, as
+    physics-informed networks do): it needs grad mode and an input that requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 8)
+        self.b = nn.Linear(8, 1)
+        self.c = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.b(torch.tanh(self.a(x)))
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return self.c(torch.cat([u, du], -1))  # (a module after the gradient: named only past it)
+
+
+def physics_informed(localize: str) -> tuple[int, str, str, str]:
+    torch.manual_seed(0)
+    net = PhysicsInformed()
+    models.poison(net.c, lambda: watcher.step == 1)
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for _ in range(3):
+            net(torch.randn(5, 2, requires_grad=True)).pow(2).mean().backward()
+    return named(watcher)
+
+
+def test_a_forward_that_needs_gradients_is_replayed_with_them() -> None:
+    """Under no_grad its autograd.grad raised: named at the output, "could not be replayed"."""
+    replayed = physics_informed("replay")
+    assert replayed == physics_informed("trail") and replayed[1:3] == ("c", "forward")
