@@ -127,10 +127,12 @@ def capture(
     args: tuple[Any, ...], kwargs: dict[str, Any], gens: list[torch.Generator], devices: tuple[str, ...]
 ) -> Capture:
     """What :func:`replay` needs of a forward that is beginning (about 2 µs: a generator
-    state is a small tensor copy, the autocast state a few flags)."""
+    state is a small tensor copy, the autocast state a few flags). Its arguments' containers
+    are copied (:func:`held`): a forward taking a dict batch apart (``batch.pop("labels")``)
+    leaves the replay the batch it was given."""
     return Capture(
-        args,
-        kwargs,
+        held(args),
+        held(kwargs) if kwargs else kwargs,
         [(g, g.get_state()) for g in gens],
         [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices],
     )
@@ -186,15 +188,29 @@ def copied(value: Any) -> Any:
     ``BatchEncoding``) too: a forward that changes its input in place (``x.sub_(mean)``)
     changes the copy on the replay, not the tensor the first forward saved for its backward
     (whose version autograd checks). Other objects are passed as they are."""
+    return rebuilt(value, True)
+
+
+def held(value: Any) -> Any:
+    """``value``'s containers copied as :func:`copied` copies them, its tensors not (the
+    same tensors, no memory): what a forward does to the containers it is given (a dict
+    batch's ``pop``) leaves the copy as it was."""
+    if type(value) is torch.Tensor:  # the usual argument, without the walk
+        return value
+    return rebuilt(value, False)
+
+
+def rebuilt(value: Any, tensors: bool) -> Any:
+    """``value`` with its containers copied, and its tensors too if ``tensors``."""
     if isinstance(value, torch.Tensor):  # (requires_grad kept: a forward may differentiate by it)
-        return value.detach().clone().requires_grad_(value.requires_grad)
+        return value.detach().clone().requires_grad_(value.requires_grad) if tensors else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(copied(v) for v in value))
+        return type(value)(*(rebuilt(v, tensors) for v in value))
     if type(value) in (tuple, list):
-        return type(value)(copied(v) for v in value)
+        return type(value)(rebuilt(v, tensors) for v in value)
     if isinstance(value, (dict, UserDict)):
         new = copy.copy(value)  # (the same kind of mapping, its other state kept)
         for key in list(value.keys()):
-            new[key] = copied(value[key])
+            new[key] = rebuilt(value[key], tensors)
         return new
     return value

@@ -244,3 +244,37 @@ def test_a_forward_that_needs_gradients_is_replayed_with_them() -> None:
     """Under no_grad its autograd.grad raised: named at the output, "could not be replayed"."""
     replayed = physics_informed("replay")
     assert replayed == physics_informed("trail") and replayed[1:3] == ("c", "forward")
+
+
+class TakesItsBatchApart(nn.Module):
+    """Pops the labels out of the dict batch it is given (a common first line); ``nan``
+    makes NaNs where its input is 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.nan = ZeroToNaN()
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = batch.pop("labels")
+        return nn.functional.mse_loss(self.b(self.nan(self.a(batch["x"]))), y)
+
+
+def takes_apart(localize: str) -> tuple[int, str, str, str]:
+    torch.manual_seed(0)
+    net = TakesItsBatchApart()
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for step in range(3):
+            with torch.no_grad():
+                net.a.bias.fill_(0.0 if step == 1 else 1.0)
+            x = torch.randn(3, 4) if step != 1 else torch.zeros(3, 4)
+            net({"x": x, "labels": torch.randn(3, 1)}).backward()
+    return named(watcher)
+
+
+def test_a_forward_that_takes_its_dict_batch_apart_is_replayed_on_the_batch_it_was_given() -> None:
+    """The replay was given the dict the first forward had popped its labels from: a
+    KeyError, and the fault named at the model's output instead of at ``nan``."""
+    assert takes_apart("replay") == takes_apart("trail")
+    assert takes_apart("replay")[:3] == (1, "nan", "forward")
