@@ -197,7 +197,10 @@ def held(value: Any) -> Any:
     batch's ``pop``) leaves the copy as it was."""
     if type(value) is torch.Tensor:  # the usual argument, without the walk
         return value
-    return rebuilt(value, False)
+    try:
+        return rebuilt(value, False)
+    except Exception:  # (a container that cannot be copied, nested past Python's limit: as given)
+        return value
 
 
 def rebuilt(value: Any, tensors: bool) -> Any:

@@ -278,3 +278,31 @@ def test_a_forward_that_takes_its_dict_batch_apart_is_replayed_on_the_batch_it_w
     KeyError, and the fault named at the model's output instead of at ``nan``."""
     assert takes_apart("replay") == takes_apart("trail")
     assert takes_apart("replay")[:3] == (1, "nan", "forward")
+
+
+class Uncopyable(dict):  # type: ignore[type-arg]
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("no copies of me")
+
+
+def test_arguments_that_cannot_be_copied_or_nest_too_deep_do_not_stop_training() -> None:
+    """The capture copies its arguments' containers on every forward: one that cannot be
+    copied, or nested past Python's recursion limit, is kept as given (the forward runs)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+
+        def forward(self, batch: Any, nested: Any) -> torch.Tensor:
+            return self.lin(batch["x"])
+
+    deep: list[Any] = []
+    for _ in range(5000):
+        deep = [deep]
+    net = Net()
+    with gpudiag.watch(net, "raise", record_dir=False) as watcher:
+        for _ in range(2):
+            net(Uncopyable(x=torch.randn(3, 2)), deep).sum().backward()
+    assert watcher.step == 2 and watcher.report is None
