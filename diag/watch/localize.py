@@ -363,7 +363,8 @@ def settle_forward(watcher: Any, witness: torch.Tensor) -> None:
                 c.versions = param_versions(watcher._all_params)
     if watcher._holding:
         return
-    watcher._order.append([seen[0] for seen in watcher._trail])
+    if watcher._trail:  # (replayed: none)
+        watcher._order.append([seen[0] for seen in watcher._trail])
     for c in watcher._captures:  # (replay: as the trail is let go)
         c.settled = True
     watcher._trail.clear()
