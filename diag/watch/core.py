@@ -243,8 +243,7 @@ class Watcher:
         ):
             # A new step, or forwards whose backward never came (evaluation with gradients
             # on, a skipped batch): what they kept is let go.
-            if self._outputs or self._inputs or self._captures or self._out_grads or self._trail:
-                self._let_go()
+            self._let_go()
             self._awaiting, self._forwards, self._only_eval = False, 1, True
         # A forward in eval mode (validation that forgot torch.no_grad) keeps nothing but its
         # output's witness: no module outputs, no inputs, no reference to its output.

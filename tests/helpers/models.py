@@ -154,6 +154,26 @@ class Residual(nn.Module):
         return self.head(h + self.drop(self.inner(x)))
 
 
+class LinearNormBlock(nn.Module):
+    """``norm(lin(x)) + x``: a Linear inside a block, so paths nest (``body.2.lin``)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)) + x
+
+
+class ZeroToNaN(nn.Module):
+    """NaN wherever its input is 0 (``0 / 0``): after a Dropout, as many NaNs as the mask
+    dropped — a count that tells which mask a forward drew."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x * x
+
+
 class FunctionalDropout(nn.Module):
     """F.dropout called in forward (no nn.Dropout module anywhere)."""
 

@@ -27,21 +27,11 @@ class Net(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Block(), nn.Tanh())
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), models.LinearNormBlock(), nn.Tanh())
         self.head = nn.Linear(16, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.lin(x)) + x
 
 
 def hook_count(model: nn.Module) -> int:

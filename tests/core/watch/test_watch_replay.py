@@ -25,7 +25,9 @@ class Net(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), Block(), nn.BatchNorm1d(16))
+        self.body = nn.Sequential(
+            nn.Linear(8, 16), nn.Dropout(0.5), models.LinearNormBlock(), nn.BatchNorm1d(16)
+        )
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
         self.head = nn.Linear(16, 2)
 
@@ -33,23 +35,6 @@ class Net(nn.Module):
         h = self.body(x) * scale
         a = self.attn(h[:, None], h[:, None], h[:, None], need_weights=False)[0][:, 0]
         return self.head(h + a)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.lin(x)) + x
-
-
-class ZeroToNaN(nn.Module):
-    """NaN wherever its input is 0: after a Dropout, as many NaNs as the mask dropped."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / x * x
 
 
 def run(localize: Any, fault: str, steps: int = 4) -> gpudiag.watch.NonFiniteReport:
@@ -109,7 +94,7 @@ def test_a_replay_reproduces_dropout_and_leaves_training_as_it_was() -> None:
     def make() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(
-            nn.Linear(8, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), ZeroToNaN(), nn.Linear(64, 1)
+            nn.Linear(8, 64), nn.BatchNorm1d(64), nn.Dropout(0.5), models.ZeroToNaN(), nn.Linear(64, 1)
         )
 
     x = torch.randn(16, 8)

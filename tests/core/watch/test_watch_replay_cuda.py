@@ -27,13 +27,6 @@ class Net(nn.Module):
         return self.head(self.block(self.drop(self.lin(x))))
 
 
-class ZeroToNaN(nn.Module):
-    """NaN wherever its input is 0: after a Dropout, as many NaNs as the mask dropped."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / x * x
-
-
 def run(localize: Any, optimizer_in_backward: bool = False) -> tuple[Any, torch.Tensor]:
     torch.manual_seed(0)
     net = Net().cuda()
@@ -72,7 +65,7 @@ def test_on_cuda_dropout_is_replayed_with_the_same_mask() -> None:
     details = []
     for localize in ("trail", "replay"):
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), ZeroToNaN(), nn.Linear(64, 1)).cuda()
+        net = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), models.ZeroToNaN(), nn.Linear(64, 1)).cuda()
         with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
             net(torch.randn(16, 8, device="cuda")).mean().backward()
         assert watcher.report is not None and watcher.report.module == "2"

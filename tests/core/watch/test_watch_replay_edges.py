@@ -88,19 +88,12 @@ def test_python_and_numpy_generators_go_on_as_without_the_replay() -> None:
     assert draws[0] == draws[1]
 
 
-class ZeroToNaN(nn.Module):
-    """NaN wherever its input is 0."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / x * x
-
-
 class Cleans(nn.Module):
     """``a``'s NaNs are cleaned away by the model itself (``nan_to_num``): not a fault."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = ZeroToNaN()
+        self.a = models.ZeroToNaN()
         self.b = nn.Linear(4, 4)
         self.c = nn.Linear(4, 1)
 
@@ -253,7 +246,7 @@ class TakesItsBatchApart(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(4, 4)
-        self.nan = ZeroToNaN()
+        self.nan = models.ZeroToNaN()
         self.b = nn.Linear(4, 1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
