@@ -11,7 +11,7 @@ Cost model (a clean step; docs/watch.md has the figures):
 - gradients: under DDP each rank's own gradients are witnessed in one pass at the end of
   the backward, before DDP's finalize copies the all-reduced buckets over them (or as
   :func:`gpudiag.watch.ddp.attach` chose), and what came back after it; elsewhere one pass
-  (:func:`host_witnesses` on the CPU);
+  (on the CPU in a few ops: :func:`gpudiag.watch.witness.step_clean`);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
   received non-finite from the all-reduce) is all-reduced (MIN) on the way.
@@ -23,7 +23,6 @@ finite values is found to be clean there, and not reported.
 """
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
-import math
 import uuid
 import weakref
 from pathlib import Path
@@ -49,11 +48,18 @@ from gpudiag.watch.ddp import (
 )
 from gpudiag.watch.found import Local
 from gpudiag.watch.localize import check_local, settle_forward
-from gpudiag.watch.outcome import MAX_SKIPS, SCALE_FLOOR, conclude
+from gpudiag.watch.outcome import MAX_SKIPS, SCALE_FLOOR, conclude, skip_limits
 from gpudiag.watch.record import NonFiniteReport
 from gpudiag.watch.torchapi import end_of_backward_callback as _end_of_backward_callback
 from gpudiag.watch.unwrap import unwrap
-from gpudiag.watch.witness import float_tensors, has_versions, output_witness, sum32, tensor_version
+from gpudiag.watch.witness import (
+    float_tensors,
+    grad_groups,
+    grad_state,
+    output_witness,
+    sum32,
+    tensor_version,
+)
 
 MODES = ("raise", "warn", "record")
 #: model → a weak reference to its open watcher (neither is kept alive by this table)
@@ -63,7 +69,6 @@ TRAIL_LIMIT = 100_000
 #: Forwards kept awaiting one backward (several losses, then one backward); beyond, the
 #: oldest are let go (a forward whose backward never comes keeps nothing for long).
 MAX_FORWARDS = 8
-_INF = math.inf
 
 
 class Watcher:
@@ -86,11 +91,7 @@ class Watcher:
     ):
         if on_nonfinite not in MODES:
             raise InputError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(MODES)}")
-        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
-            raise InputError(f"max_skips={max_skips!r}: expected a whole number of steps, 1 or more")
-        if not isinstance(scale_floor, (int, float)) or not 0 <= scale_floor < _INF:
-            raise InputError(f"scale_floor={scale_floor!r}: expected a finite scale, 0 or more")
-        self.max_skips, self.scale_floor = max_skips, float(scale_floor)
+        self.max_skips, self.scale_floor = skip_limits(max_skips, scale_floor)
         self._skips = 0  # GradScaler updates skipped in a row (no clean backward between)
         self._skip_scale: float | None = None  # the scale at the last of them
         self._skip_first: NonFiniteReport | None = None  # the first of them
@@ -196,8 +197,9 @@ class Watcher:
         self._comm: CommState | None = None
         self._param_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's sum)
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
-        #: every parameter, listed once (walking the modules for them costs ~0.1 ms a step)
+        #: every parameter, listed once (walking the modules costs ~0.1 ms a step), and grouped
         self._all_params = list(self.inner.parameters())
+        self._grad_groups = grad_groups(self._all_params)
         self._pre: PreFinalize | None = None
         #: how DDP gradients are seen before the all-reduce (see :func:`watch`): "before-finalize",
         #: "bucket-hook" or "tensor-hooks"; "local" without DDP
@@ -307,21 +309,13 @@ class Watcher:
         if not self._queued:  # the first output this backward reaches
             self._queued, self._dirty = True, True
             # grad mode inside a backward is its create_graph: a gradient penalty's autograd.grad
-            self._grads_before = self._grad_state() if torch.is_grad_enabled() else None
+            self._grads_before = grad_state(self._params) if torch.is_grad_enabled() else None
             self._out_grads_mark = len(self._out_grads)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
             self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
             self._out_grads.append(sum32(grad.detach() if grad.requires_grad else grad))
-
-    def _grad_state(self) -> tuple[Any, ...] | None:
-        """Which gradient tensor each parameter holds and its in-place version: a backward
-        that accumulates into any of them changes this, ``torch.autograd.grad`` does not.
-        None where it cannot tell (no parameters, or a torch without version counters)."""
-        if not self._params or not has_versions():
-            return None
-        return tuple(None if (g := p.grad) is None else (id(g), tensor_version(g)) for p in self._params)
 
     def _end_of_backward(self) -> None:
         """The first end-of-backward callback, queued as the backward reached the model's
@@ -334,7 +328,7 @@ class Watcher:
         checked or let go. Any other backward is (``autograd.grad`` whose gradients the loop
         assigns itself, an optimizer stepping inside the backward that empties ``.grad``)."""
         before, self._grads_before = self._grads_before, None
-        if before is not None and before == self._grad_state():
+        if before is not None and before == grad_state(self._params):
             self._queued = False
             del self._out_grads[self._out_grads_mark :]
             return

@@ -3,6 +3,7 @@ skips counted (a run of them, or one below the scale floor, is the fault), the r
 written, then raised or warned as the watcher's mode says. Functions of the watcher
 (:class:`gpudiag.watch.core.Watcher`, passed in: this module does not import it)."""
 
+import math
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -28,6 +29,16 @@ MAX_SKIPS = 20
 #: (``scale_floor=``): float16's smallest normal number, 2**-14 — gradients that overflow
 #: even scaled down 16384 times are not an overflow the scaler can fix.
 SCALE_FLOOR = 2.0**-14
+
+
+def skip_limits(max_skips: Any, scale_floor: Any) -> tuple[int, float]:
+    """``watch(max_skips=, scale_floor=)`` checked: a whole number of steps, 1 or more, and a
+    finite scale, 0 or more (an :class:`InputError` otherwise)."""
+    if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
+        raise InputError(f"max_skips={max_skips!r}: expected a whole number of steps, 1 or more")
+    if not isinstance(scale_floor, (int, float)) or not 0 <= scale_floor < math.inf:
+        raise InputError(f"scale_floor={scale_floor!r}: expected a finite scale, 0 or more")
+    return max_skips, float(scale_floor)
 
 
 def skip_run(watcher: Any, skip: NonFiniteReport) -> NonFiniteReport:
