@@ -197,6 +197,8 @@ def held(value: Any) -> Any:
     batch's ``pop``) leaves the copy as it was."""
     if type(value) is torch.Tensor:  # the usual argument, without the walk
         return value
+    if type(value) is tuple and all(type(v) is torch.Tensor for v in value):  # the usual args
+        return value  # (a tuple of tensors: nothing in it to copy)
     try:
         return rebuilt(value, False)
     except Exception:  # (a container that cannot be copied, nested past Python's limit: as given)

@@ -177,10 +177,10 @@ def sum32(t: torch.Tensor) -> torch.Tensor:
     precision accumulated in float32, float64 summed then rounded, complex over its parts.
     (One op for float32: each op costs several microseconds from Python in a training
     step, which is what a watched small model's steps are made of.)"""
+    if t.dtype == torch.float32:  # (first: the usual case in one attribute read)
+        return t.sum()
     if t.is_complex():
         t = torch.view_as_real(t)
-    if t.dtype == torch.float32:
-        return t.sum()
     if t.dtype == torch.float64:
         return t.sum().float()
     return t.sum(dtype=torch.float32)
