@@ -15,15 +15,27 @@ from gpudiag.hw.cuda import cuda_link
 from gpudiag.runtime.stats import nonfinite_count
 from gpudiag.watch.found import Local, Seen, transfer_json
 from gpudiag.watch.replay import DID_NOT_RECUR, param_versions, replay
-from gpudiag.watch.witness import bad_count, float_tensors, grad_witness, has_nan, host_witnesses, step_clean
+from gpudiag.watch.witness import (
+    bad_count,
+    float_tensors,
+    grad_groups,
+    grad_witness,
+    has_nan,
+    host_witnesses,
+    step_clean,
+)
 
 
 def check_local(watcher: Any) -> Local | None:
     """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
     values only, one read-back; what went non-finite first, or None."""
-    if not watcher._fwd_device:  # the usual CPU step: one read (step_clean), then done
+    if not watcher._fwd_device and math.isfinite(sum(watcher._fwd_host)):
+        # the usual CPU step: one read (step_clean), then done; an output that held an Inf
+        # (masked logits) goes the exact way at once, which reads the gradients once
+        if watcher._grad_groups is None:  # (lazy parameters: grouped once they have shapes)
+            watcher._grad_groups = grad_groups(watcher._all_params)
         total = step_clean(watcher._grad_groups, watcher._out_grads)
-        if total is not None and math.isfinite(total + sum(watcher._fwd_host)):
+        if total is not None and math.isfinite(total):
             return None
     every = [p.grad for p in watcher._all_params]
     if any(g is None for g in every):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gpudiag.runtime.stats import stored
 
@@ -115,34 +116,48 @@ def host_witnesses(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return out
 
 
-def grad_groups(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Parameters as :func:`step_clean` reads their gradients, grouped once at ``watch()``:
-    the matrices (and higher: a sum each) and the vectors (biases, norms' weights: most of
-    a model's parameters, and small: concatenated)."""
-    return [p for p in params if p.dim() != 1], [p for p in params if p.dim() == 1]
+#: A vector parameter is concatenated with the others (one op for all of them) up to this
+#: many elements; a larger one (a flat parameter holding a whole model) is summed where it
+#: lies, as a matrix is, rather than copied every step.
+CONCATENATED = 1 << 16
+
+
+def grad_groups(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Parameters as :func:`step_clean` reads their gradients, grouped once: those summed
+    one by one (matrices and higher, large vectors) and the small vectors (biases, norms'
+    weights: most of a model's parameters) concatenated. None while a lazy module's
+    parameter has no shape yet (``nn.LazyLinear`` before its first forward): grouped later."""
+    if any(nn.parameter.is_lazy(p) for p in params):
+        return None
+    small = [p for p in params if p.dim() == 1 and p.numel() <= CONCATENATED]
+    kept = {id(p) for p in small}
+    return [p for p in params if id(p) not in kept], small
 
 
 def step_clean(
-    groups: tuple[list[torch.Tensor], list[torch.Tensor]], out_grads: list[torch.Tensor]
+    groups: tuple[list[torch.Tensor], list[torch.Tensor]] | None, out_grads: list[torch.Tensor]
 ) -> float | None:
     """One float over a CPU step's backward — the witnesses of the gradients that flowed
     into the model's outputs and every parameter's gradient — non-finite whenever any of
     their elements is; None where it cannot tell, for the exact way
-    (:func:`host_witnesses`) to judge: a parameter without a gradient this step (frozen,
-    unused), a backward that builds a graph (``create_graph=True``), half-precision
-    gradients (whose float16 sums overflow where the values do not), gradients torch
-    cannot take together (sparse vectors, several devices).
+    (:func:`host_witnesses`) to judge: parameters not grouped yet (lazy), a parameter
+    without a gradient this step (frozen, unused), a backward that builds a graph
+    (``create_graph=True``), half-precision gradients (whose float16 sums overflow where
+    the values do not), gradients torch cannot take together (sparse vectors, several
+    devices).
 
     A small model's step is made of per-op and per-line costs, and inside a training step
     each costs several times what it does in a loop of its own (the model's ops have taken
     the caches: reading 29 ``.grad`` attributes 20 us, a reduction 4-10 us, where alone they
     take 2 us and 1-2 us): so the groups are made once, and the step is a sum per matrix,
-    one concatenation of the vectors with those sums, one sum and one read — about 100 us
-    for the bench's small transformer (29 gradients, 133k values, on one core of the
+    one concatenation of the small vectors with those sums, one sum and one read — about
+    100 us for the bench's small transformer (29 gradients, 133k values, on one core of the
     reference VM) inside its step, against 160-190 us for the exact way's first read
     (``torch._foreach_norm`` over the matrices: 52 us there against 39 us for the sums).
     A sum that overflowed on finite elements is found clean by the exact way, taken only
     then."""
+    if groups is None:
+        return None
     mats, vecs = groups
     grads: list[Any] = [p.grad for p in mats]  # (no None in them once past the check below)
     flat: list[Any] = [p.grad for p in vecs]

@@ -118,3 +118,65 @@ def test_gradients_whose_sum_overflows_on_finite_values_are_clean() -> None:
             assert torch.isfinite(lin.weight.grad).all()
             lin.zero_grad()
     assert watcher.report is None and watcher.step == 3
+
+
+def test_a_lazy_module_is_watched_from_before_its_first_forward() -> None:
+    """``gpudiag.watch(net)`` before the first forward, as with any model: a lazy module's
+    parameters are uninitialized then (no ``dim()`` to group them by). The watcher still
+    watches, and names a NaN reaching the lazy layer's gradient, as before 9557607."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        for step in range(4):
+            if step == 2:  # materialized by now: a Parameter whose gradient can be hooked
+                net[0].weight.register_hook(lambda g: g * math.nan)
+            net(torch.randn(4, 5)).sum().backward()
+            net.zero_grad()
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.phase, report.module) == (2, "backward", "0")
+    assert "0.weight" in report.detail
+
+
+def test_a_large_vector_is_summed_where_it_lies_not_copied() -> None:
+    """A flat parameter holding a whole model (FSDP1-style, ``parameters_to_vector``) is
+    summed as a matrix is; only small vectors are concatenated each step."""
+    flat, bias, weight = (
+        nn.Parameter(torch.zeros(1 << 17)),
+        nn.Parameter(torch.zeros(8)),
+        nn.Parameter(torch.zeros(2, 2)),
+    )
+    groups = grad_groups([flat, bias, weight])
+    assert groups is not None
+    assert [p is flat or p is weight for p in groups[0]] == [True, True] and groups[1] == [bias]
+    assert grad_groups([nn.parameter.UninitializedParameter(), bias]) is None  # lazy: later
+
+
+class Masks(nn.Module):
+    """Logits with the last class masked (-inf) when ``masked``: a finite loss and gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.masked = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out.masked_fill(torch.tensor([False, False, True]), -math.inf) if self.masked else out
+
+
+def test_an_output_holding_an_inf_goes_the_exact_way_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masked logits (-inf where masked) train with finite gradients: the one read would
+    be Inf on every step and then the exact way would read every gradient again, so with
+    an Inf in the outputs only the exact way runs."""
+    from gpudiag.watch import localize
+
+    reads: list[int] = []
+    one_read = localize.step_clean
+    monkeypatch.setattr(localize, "step_clean", lambda *a: reads.append(1) or one_read(*a))
+    net = Masks()
+    with gpudiag.watch(net, "raise", record_dir=False) as watcher:
+        for masked in (False, True, True):
+            net.masked = masked
+            torch.nn.functional.cross_entropy(net(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
+    assert watcher.report is None and watcher.step == 3 and len(reads) == 1
