@@ -21,7 +21,6 @@ from gpudiag.watch.witness import (
     grad_groups,
     grad_witness,
     has_nan,
-    host_witnesses,
     step_clean,
 )
 
@@ -29,14 +28,16 @@ from gpudiag.watch.witness import (
 def check_local(watcher: Any) -> Local | None:
     """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
     values only, one read-back; what went non-finite first, or None."""
-    if not watcher._fwd_device and math.isfinite(sum(watcher._fwd_host)):
-        # the usual CPU step: one read (step_clean), then done; an output that held an Inf
-        # (masked logits) goes the exact way at once, which reads the gradients once
+    if not watcher._fwd_device:  # the usual CPU step: one read (step_clean), then done
         if watcher._grad_groups is None:  # (lazy parameters: grouped once they have shapes)
             watcher._grad_groups = grad_groups(watcher._all_params)
         total = step_clean(watcher._grad_groups, watcher._out_grads)
-        if total is not None and math.isfinite(total):
-            return None
+        if (
+            total is not None
+            and math.isfinite(total)
+            and (math.isfinite(sum(watcher._fwd_host)) or forward_verdict(watcher._outputs) != "nan")
+        ):
+            return None  # every gradient finite; the outputs too, or Inf alone (masked logits)
     every = [p.grad for p in watcher._all_params]
     if any(g is None for g in every):
         params = [p for p, g in zip(watcher._all_params, every, strict=True) if g is not None]
@@ -44,14 +45,12 @@ def check_local(watcher: Any) -> Local | None:
     else:
         params, grads = watcher._all_params, every
     if not watcher._fwd_device and not any(g.is_cuda for g in watcher._out_grads[:1] + grads[:1]):
-        # The CPU: the forward was read as it ended; one read-back of the rest, in as
-        # few ops as it takes (one multi-tensor norm, one stack, one read).
-        parts = [*watcher._out_grads, *host_witnesses(grads)]
-        flat = torch.stack(parts).tolist() if parts else []
-        if math.isfinite(sum(flat) + sum(watcher._fwd_host)):
-            return None  # the usual step (a sum that overflowed on finite values: looked at below)
-        fwd, out_grads = watcher._fwd_host, flat[: len(watcher._out_grads)]
-        values = grad_witness(grads).tolist()  # which gradients: one value each
+        # The CPU, the exact way: the forward was read as it ended; a value per gradient.
+        fwd = watcher._fwd_host
+        out_grads = torch.stack(watcher._out_grads).tolist() if watcher._out_grads else []
+        values = grad_witness(grads).tolist()
+        if math.isfinite(sum(values) + sum(out_grads) + sum(fwd)):
+            return None  # (a sum that overflowed on finite values goes on: counted below)
     else:
         outs = [w.reshape(-1) for w, _, _ in watcher._outputs]
         witness = grad_witness(grads)

@@ -90,83 +90,53 @@ def grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return output_witness(tensors)
 
 
-def host_witnesses(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A few 0-dimensional float values over CPU gradients, one of them non-finite whenever
-    any gradient element is (which gradient: :func:`grad_witness`, taken only then). A
-    small model's step is made of per-tensor costs — each reduction torch starts costs about
-    4 us on the CPU whatever its size, and a small transformer has 29 gradients — so: the
-    1-dimensional gradients (biases, norms' weights: most of them, and small) concatenated
-    and summed in one reduction, the others' norms in one call (``torch._foreach_norm``,
-    its loop in C++), a sum per gradient for half precision (whose norm would overflow
-    float16 where the values do not) or a torch without it. A value that overflowed on
-    finite elements is found clean by the exact count taken only then."""
-    if not grads:
-        return []
-    norms = getattr(torch, "_foreach_norm", None)  # (private: a torch without it sums)
-    with torch.no_grad():
-        if norms is None or grads[0].dtype not in (torch.float32, torch.float64):
-            return [sum32(g) for g in grads]
-        flat = [g for g in grads if g.dim() == 1]
-        rest = [g for g in grads if g.dim() != 1] if flat else grads
-        out = list(norms(rest)) if rest else []
-        if len(flat) > 1:
-            out.append(torch.cat(flat).sum())
-        elif flat:
-            out.append(flat[0].sum())
-        return out
-
-
 #: A vector parameter is concatenated with the others (one op for all of them) up to this
 #: many elements; a larger one (a flat parameter holding a whole model) is summed where it
 #: lies, as a matrix is, rather than copied every step.
-CONCATENATED = 1 << 16
+LARGEST_CONCATENATED = 1 << 16
+
+#: Parameters as :func:`step_clean` reads their gradients: (summed one by one,
+#: concatenated); None while a lazy module's parameter has no shape yet.
+GradGroups = tuple[list[torch.Tensor], list[torch.Tensor]] | None
 
 
-def grad_groups(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """Parameters as :func:`step_clean` reads their gradients, grouped once: those summed
-    one by one (matrices and higher, large vectors) and the small vectors (biases, norms'
-    weights: most of a model's parameters) concatenated. None while a lazy module's
-    parameter has no shape yet (``nn.LazyLinear`` before its first forward): grouped later."""
+def grad_groups(params: list[torch.Tensor]) -> GradGroups:
+    """``params`` grouped once for :func:`step_clean`: those summed one by one (matrices and
+    higher, large vectors) and the small vectors (biases, norms' weights: most of a model's
+    parameters) concatenated. None while a lazy module's parameter has no shape yet
+    (``nn.LazyLinear`` before its first forward): grouped later."""
     if any(nn.parameter.is_lazy(p) for p in params):
         return None
-    small = [p for p in params if p.dim() == 1 and p.numel() <= CONCATENATED]
+    small = [p for p in params if p.dim() == 1 and p.numel() <= LARGEST_CONCATENATED]
     kept = {id(p) for p in small}
     return [p for p in params if id(p) not in kept], small
 
 
-def step_clean(
-    groups: tuple[list[torch.Tensor], list[torch.Tensor]] | None, out_grads: list[torch.Tensor]
-) -> float | None:
-    """One float over a CPU step's backward — the witnesses of the gradients that flowed
-    into the model's outputs and every parameter's gradient — non-finite whenever any of
-    their elements is; None where it cannot tell, for the exact way
-    (:func:`host_witnesses`) to judge: parameters not grouped yet (lazy), a parameter
-    without a gradient this step (frozen, unused), a backward that builds a graph
-    (``create_graph=True``), half-precision gradients (whose float16 sums overflow where
-    the values do not), gradients torch cannot take together (sparse vectors, several
-    devices).
-
-    A small model's step is made of per-op and per-line costs, and inside a training step
-    each costs several times what it does in a loop of its own (the model's ops have taken
-    the caches: reading 29 ``.grad`` attributes 20 us, a reduction 4-10 us, where alone they
-    take 2 us and 1-2 us): so the groups are made once, and the step is a sum per matrix,
-    one concatenation of the small vectors with those sums, one sum and one read — about
-    100 us for the bench's small transformer (29 gradients, 133k values, on one core of the
-    reference VM) inside its step, against 160-190 us for the exact way's first read
-    (``torch._foreach_norm`` over the matrices: 52 us there against 39 us for the sums).
+def step_clean(groups: GradGroups, out_grads: list[torch.Tensor]) -> float | None:
+    """One float over a CPU step's backward — every parameter gradient (a parameter without
+    one this step, frozen or unused, has nothing to check) and the witnesses of the
+    gradients that flowed into the model's outputs — non-finite whenever any of their
+    elements is. None where it cannot tell, for the exact way to judge: parameters not
+    grouped yet (lazy), a backward that builds a graph (``create_graph=True``), a first
+    gradient that is not float32, float64 or bfloat16 (float16 sums overflow where the
+    values do not), gradients torch cannot take together (sparse vectors, several devices).
     A sum that overflowed on finite elements is found clean by the exact way, taken only
-    then."""
-    if groups is None:
+    then.
+
+    A sum per gradient in :data:`GradGroups`' first list, one stack of those sums with the
+    output gradients' witnesses, one concatenation with the small vectors, one sum, one
+    read: a small model's step is made of per-op and per-line costs, each several times
+    dearer inside a training step than in a loop of its own (docs/watch.md, the one-read
+    check)."""
+    if groups is None or torch.is_grad_enabled():
         return None
     mats, vecs = groups
-    grads: list[Any] = [p.grad for p in mats]  # (no None in them once past the check below)
-    flat: list[Any] = [p.grad for p in vecs]
-    if torch.is_grad_enabled() or any(g is None for g in grads) or any(g is None for g in flat):
-        return None
+    grads = [g for p in mats if (g := p.grad) is not None]
+    flat = [g for p in vecs if (g := p.grad) is not None]
     first = grads or flat or out_grads
     if not first:
         return 0.0
-    if first[0].dtype not in (torch.float32, torch.float64):
+    if first[0].dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return None
     try:
         sums = [g.sum() for g in grads]
@@ -174,7 +144,7 @@ def step_clean(
         if sums:
             flat.append(torch.stack(sums))
         return float(torch.cat(flat).sum())
-    except (TypeError, RuntimeError):  # sparse vectors, several devices: the exact way
+    except (TypeError, RuntimeError):  # sparse vectors, several devices, complex: the exact way
         return None
 
 

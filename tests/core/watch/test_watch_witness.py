@@ -1,12 +1,13 @@
 """The CPU's one-read check of a step (:func:`gpudiag.watch.witness.step_clean`): non-finite
 whenever any gradient element or any loss-gradient witness is, wherever it sits; "cannot
-tell" (the exact way judges) for what it does not take; and, through the watcher, the
-same verdicts as before on the steps it hands on (frozen parameters, sparse gradients,
-sums that overflow on finite values)."""
+tell" (the exact way judges) for what it does not take; taken on the clean steps of real
+models, frozen parameters and masked logits included; and, through the watcher, the same
+verdicts as before (sparse gradients, lazy modules, sums that overflow on finite values)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gpudiag
-from gpudiag.watch.witness import grad_groups, step_clean
+from gpudiag.watch import localize
+from gpudiag.watch.witness import GradGroups, grad_groups, step_clean
 
 
 def with_grads(shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -26,9 +28,7 @@ def with_grads(shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float32
     return params
 
 
-def read(
-    groups: tuple[list[torch.Tensor], list[torch.Tensor]], out_grads: list[torch.Tensor]
-) -> float | None:
+def read(groups: GradGroups, out_grads: list[torch.Tensor]) -> float | None:
     """step_clean as the end-of-backward callback runs it: grad mode off (a plain backward)."""
     with torch.no_grad():
         return step_clean(groups, out_grads)
@@ -51,27 +51,35 @@ def test_one_bad_element_anywhere_makes_the_value_non_finite(where: int, element
     if where == len(SHAPES):
         out_grads[element % 2] = torch.tensor(value)
     else:
-        flat = params[where].grad.view(-1)
+        grad = params[where].grad
+        assert grad is not None
+        flat = grad.view(-1)
         flat[element % flat.numel()] = value
     bad = read(grad_groups(params), out_grads)
     assert bad is not None and not math.isfinite(bad)
 
 
 def test_what_it_does_not_take_goes_the_exact_way() -> None:
-    params = with_grads(SHAPES)
-    groups = grad_groups(params)
-    params[3].grad = None  # a frozen or unused parameter
-    assert read(groups, []) is None
     params = with_grads(SHAPES, torch.float16)  # float16 sums overflow on finite values
     assert read(grad_groups(params), []) is None
     params = with_grads(SHAPES)
-    params[1].grad = torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True)  # no concatenation
+    params[1].grad = torch.tensor([1.0, 0.0, 0.0]).to_sparse()  # a sparse vector: no concatenation
     assert read(grad_groups(params), []) is None
     with torch.enable_grad():  # the callback of a backward with create_graph=True
         assert step_clean(grad_groups(with_grads(SHAPES)), []) is None
+    assert read(None, []) is None  # a lazy module's parameters, not grouped yet
+
+
+def test_what_it_takes_it_adds_up() -> None:
+    """Every gradient there is (a parameter without one, frozen or unused, has nothing to
+    check), in float32, float64 or bfloat16; nothing at all reads as 0."""
+    values = [(0.5 + i) * math.prod(s) for i, s in enumerate(SHAPES)]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert read(grad_groups(with_grads(SHAPES, dtype)), []) == pytest.approx(sum(values), rel=1e-2)
+    params = with_grads(SHAPES)
+    params[3].grad = None
+    assert read(grad_groups(params), [torch.tensor(2.0)]) == pytest.approx(sum(values) - values[3] + 2)
     assert read(([], []), []) == 0.0
-    total = sum((0.5 + i) * math.prod(s) for i, s in enumerate(SHAPES))
-    assert read(grad_groups(with_grads(SHAPES, torch.float64)), []) == pytest.approx(total)
 
 
 class Frozen(nn.Module):
@@ -90,9 +98,10 @@ class Frozen(nn.Module):
 
 
 @pytest.mark.parametrize("freeze", [True, False], ids=["frozen-embedding", "all-trained"])
-def test_the_watcher_names_a_bias_gradient_whichever_way_the_step_is_read(freeze: bool) -> None:
+def test_a_nan_reaching_only_a_bias_is_named_beside_sparse_and_frozen_parameters(freeze: bool) -> None:
     """A NaN that reaches only a bias's gradient (its hook, at step 2), on a model with a
-    sparse gradient and, or not, a frozen parameter (the exact way, or the one read)."""
+    sparse 2-D gradient (``torch._foreach_norm`` takes none on torch 2.11: the exact way sums
+    it) and, or not, a frozen parameter."""
     torch.manual_seed(0)
     net = Frozen()
     net.frozen.requires_grad_(not freeze)
@@ -115,7 +124,8 @@ def test_gradients_whose_sum_overflows_on_finite_values_are_clean() -> None:
     with gpudiag.watch(lin, "raise", record_dir=False) as watcher:
         for _ in range(3):
             lin(torch.randn(2, 4)).sum().backward()
-            assert torch.isfinite(lin.weight.grad).all()
+            grad = lin.weight.grad
+            assert grad is not None and torch.isfinite(grad).all()
             lin.zero_grad()
     assert watcher.report is None and watcher.step == 3
 
@@ -125,11 +135,12 @@ def test_a_lazy_module_is_watched_from_before_its_first_forward() -> None:
     parameters are uninitialized then (no ``dim()`` to group them by). The watcher still
     watches, and names a NaN reaching the lazy layer's gradient, as before 9557607."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    lazy = nn.LazyLinear(8)
+    net = nn.Sequential(lazy, nn.ReLU(), nn.Linear(8, 2))
     with gpudiag.watch(net, "record", record_dir=False) as watcher:
         for step in range(4):
             if step == 2:  # materialized by now: a Parameter whose gradient can be hooked
-                net[0].weight.register_hook(lambda g: g * math.nan)
+                lazy.weight.register_hook(lambda g: g * math.nan)
             net(torch.randn(4, 5)).sum().backward()
             net.zero_grad()
     report = watcher.report
@@ -138,7 +149,7 @@ def test_a_lazy_module_is_watched_from_before_its_first_forward() -> None:
     assert "0.weight" in report.detail
 
 
-def test_a_large_vector_is_summed_where_it_lies_not_copied() -> None:
+def test_a_large_vector_is_grouped_to_be_summed_alone_not_concatenated() -> None:
     """A flat parameter holding a whole model (FSDP1-style, ``parameters_to_vector``) is
     summed as a matrix is; only small vectors are concatenated each step."""
     flat, bias, weight = (
@@ -165,18 +176,72 @@ class Masks(nn.Module):
         return out.masked_fill(torch.tensor([False, False, True]), -math.inf) if self.masked else out
 
 
-def test_an_output_holding_an_inf_goes_the_exact_way_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Masked logits (-inf where masked) train with finite gradients: the one read would
-    be Inf on every step and then the exact way would read every gradient again, so with
-    an Inf in the outputs only the exact way runs."""
-    from gpudiag.watch import localize
+def spy_on_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float | None], list[int]]:
+    """What each step's one read returned, and the steps (counted from 1) where the exact
+    way ran."""
+    reads: list[float | None] = []
+    exact: list[int] = []
+    one_read, grad_witness = localize.step_clean, localize.grad_witness
 
-    reads: list[int] = []
-    one_read = localize.step_clean
-    monkeypatch.setattr(localize, "step_clean", lambda *a: reads.append(1) or one_read(*a))
+    def spied_read(*args: Any) -> float | None:
+        reads.append(one_read(*args))
+        return reads[-1]
+
+    def spied_exact(*args: Any) -> torch.Tensor:
+        exact.append(len(reads))
+        return grad_witness(*args)
+
+    monkeypatch.setattr(localize, "step_clean", spied_read)
+    monkeypatch.setattr(localize, "grad_witness", spied_exact)
+    return reads, exact
+
+
+def test_an_output_holding_an_inf_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masked logits (-inf where masked) train with a finite loss and gradients: the one
+    read, finite, settles the step (an Inf alone is a fault only where the gradients go
+    non-finite); the exact way does not run."""
+    reads, exact = spy_on_reads(monkeypatch)
     net = Masks()
     with gpudiag.watch(net, "raise", record_dir=False) as watcher:
         for masked in (False, True, True):
             net.masked = masked
             torch.nn.functional.cross_entropy(net(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
-    assert watcher.report is None and watcher.step == 3 and len(reads) == 1
+    assert watcher.report is None and watcher.step == 3
+    assert len(reads) == 3 and all(r is not None and math.isfinite(r) for r in reads) and not exact
+
+
+class Encoder(nn.Module):
+    """A real transformer encoder layer with a frozen embedding and an unused head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32).requires_grad_(False)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(32, 50)
+        self.unused = nn.Linear(32, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.embed(tokens)))
+
+
+def test_the_one_read_settles_the_clean_steps_of_a_real_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nn.TransformerEncoderLayer`` (dropout on) with a frozen embedding and a head that is
+    never used: every clean step is settled by the one read (a torch whose end-of-backward
+    callback ran in grad mode, or a parameter without a gradient, would send each step the
+    exact way), and a NaN at step 3 is still named."""
+    reads, exact = spy_on_reads(monkeypatch)
+    torch.manual_seed(0)
+    net = Encoder()
+    tokens = torch.randint(0, 50, (4, 6))
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        for step in range(5):
+            if step == 3:
+                net.layer.linear2.weight.register_hook(lambda g: g * math.nan)
+            out = net(tokens)
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens.flatten()).backward()
+            net.zero_grad()
+    assert all(r is not None and math.isfinite(r) for r in reads[:3])
+    assert reads[3] is not None and not math.isfinite(reads[3]) and min(exact) == 4
+    report = watcher.report
+    assert report is not None and (report.step, report.phase) == (3, "backward")
+    assert "layer.linear2.weight" in report.detail
