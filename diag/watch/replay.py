@@ -126,10 +126,11 @@ def autocast_devices(device: torch.device) -> tuple[str, ...]:
 def capture(
     args: tuple[Any, ...], kwargs: dict[str, Any], gens: list[torch.Generator], devices: tuple[str, ...]
 ) -> Capture:
-    """What :func:`replay` needs of a forward that is beginning (about 2 µs: a generator
-    state is a small tensor copy, the autocast state a few flags). Its arguments' containers
-    are copied (:func:`held`): a forward taking a dict batch apart (``batch.pop("labels")``)
-    leaves the replay the batch it was given."""
+    """What :func:`replay` needs of a forward that is beginning: a generator state is a small
+    tensor copy, the autocast state a few flags (about 3 µs alone, 20 µs inside a training
+    step whose ops have taken the caches). Its arguments' containers are copied
+    (:func:`held`): a forward taking a dict batch apart (``batch.pop("labels")``) leaves the
+    replay the batch it was given."""
     return Capture(
         held(args),
         held(kwargs) if kwargs else kwargs,
