@@ -56,8 +56,8 @@ from gpudiag.watch.witness import (
     float_tensors,
     grad_groups,
     grad_state,
+    output_grad_witness,
     output_witness,
-    sum32,
     tensor_version,
 )
 
@@ -143,6 +143,7 @@ class Watcher:
         #: replay: the generators a forward draws from, the device types whose autocast it runs under
         self._gens = rp.generators(self.device) if self.localize == "replay" else []
         self._autocast = rp.autocast_devices(self.device)
+        self._host = rp.HostDraws()  # replay: whether forwards draw from Python's or NumPy's generator
 
         self.step = 0  # backward passes completed
         #: this run's name in its records (under DDP the first rank's, agreed on at watch())
@@ -254,9 +255,11 @@ class Watcher:
             self._only_eval = False
             self._inputs.append((inputs, kwargs) if kwargs else inputs)
             if self._gens:
-                self._captures.append(rp.capture(inputs, kwargs, self._gens, self._autocast))
+                self._captures.append(rp.capture(inputs, kwargs, self._gens, self._autocast, self._host))
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if self._captures:
+            self._host.ended(self._captures[-1])
         if not self._replaying:
             self.observe(output, "")
 
@@ -315,7 +318,7 @@ class Watcher:
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
             self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(sum32(grad.detach() if grad.requires_grad else grad))
+            self._out_grads.append(output_grad_witness(grad))
 
     def _end_of_backward(self) -> None:
         """The first end-of-backward callback, queued as the backward reached the model's

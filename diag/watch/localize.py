@@ -270,7 +270,13 @@ def first_bad_output(watcher: Any, nan_only: bool = False) -> Local | None:
                 "forward",
                 name,
                 f"{name} was non-finite ({bad} of {total}), "
-                + ("every module output finite" if trail else "no module output seen on this step"),
+                + (
+                    "every module output finite"
+                    if trail
+                    else "the model's outputs finite"
+                    if watcher._forwards
+                    else "no module output seen on this step"
+                ),
             )
         if bad:
             return local_at(

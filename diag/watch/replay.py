@@ -14,7 +14,8 @@ outputs the hooks keep; torch's modules take the same path in training mode eith
 forward that differentiates inside itself raises there, and is replayed in grad mode).
 It runs on copies of the forward's tensor arguments (one that changes its input in place
 changes the copy, not the batch autograd saved). Afterwards the generators go back to
-where training left them (Python's and NumPy's too: not set back for the replay), and the buffers
+where training left them (Python's and NumPy's too, set back for the replay where the
+model draws from them: :class:`HostDraws`), and the buffers
 (BatchNorm's running statistics, its batch count) are as before the replay (it updates
 copies of them), so training goes on as if it had not run. What it cannot undo: a
 forward's other side effects (the user's own forward hooks, a counter or a cache in the
@@ -60,6 +61,58 @@ class Capture:
     #: judged clean as it ended (the CPU): replayed for a gradient's order only, not searched
     #: for a later forward's fault (the hooks' trail of it was let go then too)
     settled: bool = False
+    #: Python's and NumPy's global generator states as it began (:class:`HostDraws`), or None
+    host: tuple[Any, Any] | None = None
+    probed: bool = False  # compared with those states as it ended (:meth:`HostDraws.ended`)
+
+
+#: Training forwards whose Python and NumPy generator states are compared as they begin and
+#: end before a model that drew from neither stops having them read (:class:`HostDraws`).
+PROBES = 2
+
+
+def host_states() -> tuple[Any, Any]:
+    """Python's global generator state and NumPy's (None where NumPy is not imported)."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def same_host_states(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two :func:`host_states` are equal (NumPy's holds an array: compared by value)."""
+    if a[0] != b[0] or a[1] is None or b[1] is None:
+        return a[0] == b[0] and a[1] is None and b[1] is None
+    return all(bool((x == y).all()) if hasattr(x, "all") else x == y for x, y in zip(a[1], b[1], strict=True))
+
+
+def set_host_states(states: tuple[Any, Any]) -> None:
+    """Set Python's and NumPy's global generators to ``states`` (:func:`host_states`)."""
+    random.setstate(states[0])
+    numpy = sys.modules.get("numpy")
+    if states[1] is not None and numpy is not None:
+        numpy.random.set_state(states[1])
+
+
+class HostDraws:
+    """Whether a model's forwards draw from Python's or NumPy's global generators (LayerDrop:
+    ``random.random() < p``; wav2vec2's SpecAugment masks: ``np.random``), which a replay
+    must then set back too. Reading those states costs about 40 µs a forward (Python's 8,
+    NumPy's 31: more than the rest of a capture), so they are read as the first
+    :data:`PROBES` training forwards begin and compared as they end: a model that drew in
+    none of them is not read again (one that starts drawing later is replayed with other
+    draws: ``localize="trail"`` for it), one that drew is read at every forward."""
+
+    def __init__(self) -> None:
+        self.probes = PROBES  # forwards still to compare; 0: never read again; -1: always read
+
+    def states(self) -> tuple[Any, Any] | None:
+        """The states for a forward's capture, where they are still read."""
+        return host_states() if self.probes else None
+
+    def ended(self, capture: Capture) -> None:
+        """After a forward: whether the forward ``capture`` holds drew from them (once each)."""
+        if self.probes > 0 and capture.host is not None and not capture.probed:
+            capture.probed = True
+            self.probes = self.probes - 1 if same_host_states(capture.host, host_states()) else -1
 
 
 def param_versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -124,7 +177,11 @@ def autocast_devices(device: torch.device) -> tuple[str, ...]:
 
 
 def capture(
-    args: tuple[Any, ...], kwargs: dict[str, Any], gens: list[torch.Generator], devices: tuple[str, ...]
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    gens: list[torch.Generator],
+    devices: tuple[str, ...],
+    host: HostDraws,
 ) -> Capture:
     """What :func:`replay` needs of a forward that is beginning: a generator state is a small
     tensor copy, the autocast state a few flags (about 3 µs alone, 20 µs inside a training
@@ -136,6 +193,7 @@ def capture(
         held(kwargs) if kwargs else kwargs,
         [(g, g.get_state()) for g in gens],
         [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices],
+        host=host.states(),
     )
 
 
@@ -162,6 +220,8 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = Fa
         for c in captures:
             for g, state in c.rng:
                 g.set_state(state)
+            if c.host is not None:  # (a model that draws from Python's or NumPy's generator)
+                set_host_states(c.host)
             with contextlib.ExitStack() as stack:
                 # no second graph, unless asked for: only the module outputs kept
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())

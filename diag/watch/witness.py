@@ -3,6 +3,7 @@ exact counts taken only when a witness is not finite (what :mod:`gpudiag.watch.c
 back once a step). No state: functions of tensors."""
 
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpudiag.runtime.stats import stored
+from gpudiag.runtime.stats import nonfinite_count, stored
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -155,6 +156,23 @@ def output_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return sum32(tensors[0].detach())
     with torch.no_grad():
         return torch.stack([sum32(t) for t in tensors])
+
+
+def output_grad_witness(grad: torch.Tensor) -> torch.Tensor:
+    """A 0-dimensional witness of the gradient flowing into a model output, non-finite
+    exactly when one of its elements is — a float32 sum alone overflows on huge finite
+    values, which would name a finite loss non-finite. On the CPU its sum, read at once (no
+    sync there) and, only where that is not finite, replaced by the exact verdict; on an
+    accelerator its largest magnitude (``torch.linalg.vector_norm(ord=inf)``: one
+    reduction, which no finite value overflows, read with the step's other values)."""
+    if grad.requires_grad:  # (a create_graph backward's gradient)
+        grad = grad.detach()
+    if grad.device.type != "cpu":
+        return torch.linalg.vector_norm(grad, math.inf)
+    witness = sum32(grad)
+    if math.isfinite(witness.item()):
+        return witness
+    return torch.tensor(math.nan if nonfinite_count(grad) else 0.0)
 
 
 def sum32(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import gpudiag
+from gpudiag.watch import replay as rp
 from tests.helpers import models
 
 
@@ -86,6 +87,76 @@ def test_python_and_numpy_generators_go_on_as_without_the_replay() -> None:
         assert watcher.report is not None and watcher.report.module == "<input>"
         draws.append((random.random(), float(np.random.random())))
     assert draws[0] == draws[1]
+
+
+class DrawsToSkip(nn.Module):
+    """LayerDrop by Python's or NumPy's generator (``draw() < 0.5``: skip the layer)."""
+
+    def __init__(self, draw: Any) -> None:
+        super().__init__()
+        self.draw = draw
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            if not (self.training and self.draw() < 0.5):
+                h = torch.tanh(layer(h))
+        return self.out(h)
+
+
+def drops_layers(draw: str, seed: int, localize: str) -> tuple[int, str, str, str] | None:
+    """A NaN put into ``layers.2`` after the first step (what a broken optimizer does); None
+    where the next three steps all skipped that layer."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(0)
+    net = DrawsToSkip(random.random if draw == "python" else np.random.random)
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for step in range(4):
+            net(torch.randn(4, 8)).pow(2).mean().backward()
+            net.zero_grad()
+            if step == 0:
+                with torch.no_grad():
+                    net.layers[2].weight[0, 0] = float("nan")
+    return None if watcher.report is None else named(watcher)
+
+
+@pytest.mark.parametrize("draw", ["python", "numpy"])
+def test_a_forward_drawing_from_python_or_numpy_is_replayed_with_the_same_draws(draw: str) -> None:
+    """The replay sets Python's and NumPy's generators back to the forward's start (read for
+    a model seen to draw from them): it takes the layers the training forward took, and names
+    what the hooks on every step name (before, in about half the seeds, the replay skipped
+    ``layers.2`` and said the fault did not recur)."""
+    found = [drops_layers(draw, seed, "trail") for seed in range(16)]
+    assert [drops_layers(draw, seed, "replay") for seed in range(16)] == found
+    assert sum(f is not None and f[1:3] == ("layers.2", "optimizer") for f in found) >= 8
+
+
+def test_a_model_that_draws_from_neither_stops_having_them_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's and NumPy's states cost about 40 us a forward to read: read as the first two
+    training forwards begin and end, then, as neither was drawn from, not again."""
+    reads: list[int] = []
+    read = rp.host_states
+    monkeypatch.setattr(rp, "host_states", lambda: reads.append(1) or read())
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 1))
+    with gpudiag.watch(net, "raise", record_dir=False) as watcher:
+        for _ in range(5):
+            net(torch.randn(3, 4)).sum().backward()
+    assert watcher.localize == "replay" and watcher.step == 5 and len(reads) == 2 * rp.PROBES
+
+
+def test_a_non_finite_loss_given_to_observe_says_the_models_outputs_were_finite() -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        loss = net(torch.randn(2, 4)).mean() + float("nan")
+        watcher.observe(loss)
+        loss.backward()
+    step, module, phase, detail = named(watcher)
+    assert (step, module, phase) == (0, "<loss>", "forward")
+    assert "the model's outputs finite" in detail and "no module" not in detail
 
 
 class Cleans(nn.Module):

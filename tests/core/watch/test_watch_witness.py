@@ -245,3 +245,36 @@ def test_the_one_read_settles_the_clean_steps_of_a_real_model(monkeypatch: pytes
     report = watcher.report
     assert report is not None and (report.step, report.phase) == (3, "backward")
     assert "layer.linear2.weight" in report.detail
+
+
+@pytest.mark.parametrize("localize", ["replay", "trail"])
+@pytest.mark.parametrize(
+    ("dtype", "scale"), [(torch.float32, 1e35), (torch.float64, 1e100)], ids=["f32", "f64"]
+)
+def test_a_huge_but_finite_gradient_into_the_outputs_is_no_fault(
+    localize: str, dtype: torch.dtype, scale: float
+) -> None:
+    """``(out * scale).sum()``: every gradient into the 4 x 1000 outputs is ``scale``, finite,
+    but their float32 sum is not (4e38; 4e103 in float64, rounded to float32): the witness
+    of the loss's gradient is exact both ways, so nothing is reported."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1000)).to(dtype)
+    with gpudiag.watch(net, "raise", record_dir=False, localize=localize) as watcher:
+        for _ in range(3):
+            (net(torch.randn(4, 8, dtype=dtype)) * scale).sum().backward()
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
+            net.zero_grad()
+    assert watcher.report is None and watcher.step == 3
+
+
+def test_the_loss_gradient_witness_is_exact_both_ways() -> None:
+    """:func:`output_grad_witness`: finite for huge finite values, NaN/Inf for one bad one."""
+    from gpudiag.watch.witness import output_grad_witness
+
+    huge = torch.full((4, 1000), 1e35)
+    assert math.isfinite(float(output_grad_witness(huge)))
+    for bad in (math.nan, math.inf, -math.inf):
+        one = huge.clone()
+        one[2, 7] = bad
+        assert not math.isfinite(float(output_grad_witness(one)))
+        assert not math.isfinite(float(output_grad_witness(one.double())))
