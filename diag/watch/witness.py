@@ -167,7 +167,7 @@ def output_grad_witness(grad: torch.Tensor) -> torch.Tensor:
     reduction, which no finite value overflows, read with the step's other values)."""
     if grad.requires_grad:  # (a create_graph backward's gradient)
         grad = grad.detach()
-    if grad.device.type != "cpu":
+    if not grad.is_cpu:
         return torch.linalg.vector_norm(grad, math.inf)
     witness = sum32(grad)
     if math.isfinite(witness.item()):
