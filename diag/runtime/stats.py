@@ -106,7 +106,7 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     count says 0); a sparse tensor's is its :func:`stored` values' sum."""
     data = stored(tensor.detach())
     if data.is_complex():
-        data = torch.view_as_real(data)
+        data = torch.view_as_real(data.resolve_conj())  # (lazily conjugated: x.conj())
     if data.is_floating_point() and data.element_size() < 4:
         return torch.sum(data, dtype=torch.float32)
     if not data.is_floating_point() and not data.is_complex():

@@ -258,7 +258,7 @@ class Watcher:
                 self._captures.append(rp.capture(inputs, kwargs, self._gens, self._autocast, self._host))
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if self._host.probes > 0 and self._captures:
+        if self._captures and self._captures[-1].host is not None:  # (a forward probed for draws)
             self._host.ended(self._captures[-1])
         if not self._replaying:
             self.observe(output, "")

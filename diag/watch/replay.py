@@ -66,9 +66,11 @@ class Capture:
     probed: bool = False  # compared with those states as it ended (:meth:`HostDraws.ended`)
 
 
-#: Training forwards whose Python and NumPy generator states are compared as they begin and
-#: end before a model that drew from neither stops having them read (:class:`HostDraws`).
-PROBES = 2
+#: The first training forwards whose Python and NumPy generator states are compared as they
+#: begin and end (several: gradient accumulation's micro-batches may draw in only one)…
+PROBES = 8
+#: …and after them one forward in this many, for a model that draws only sometimes.
+PROBE_EVERY = 64
 
 
 def host_states() -> tuple[Any, Any]:
@@ -97,22 +99,25 @@ class HostDraws:
     ``random.random() < p``; wav2vec2's SpecAugment masks: ``np.random``), which a replay
     must then set back too. Reading those states costs about 40 µs a forward (Python's 8,
     NumPy's 31: more than the rest of a capture), so they are read as the first
-    :data:`PROBES` training forwards begin and compared as they end: a model that drew in
-    none of them is not read again (one that starts drawing later is replayed with other
-    draws: ``localize="trail"`` for it), one that drew is read at every forward."""
+    :data:`PROBES` training forwards begin, and one in every :data:`PROBE_EVERY` after, and
+    compared as each ends: once one drew, they are read at every forward. Until then a
+    forward that draws is replayed with other draws (a model that draws rarely, or starts
+    to later: ``localize="trail"`` for it)."""
 
     def __init__(self) -> None:
-        self.probes = PROBES  # forwards still to compare; 0: never read again; -1: always read
+        self.forwards = 0  # training forwards captured so far
+        self.always = False  # a forward was seen to draw: read at every forward
 
     def states(self) -> tuple[Any, Any] | None:
-        """The states for a forward's capture, where they are still read."""
-        return host_states() if self.probes else None
+        """The states for a training forward's capture, where this one is read."""
+        n, self.forwards = self.forwards, self.forwards + 1
+        return host_states() if self.always or n < PROBES or n % PROBE_EVERY == 0 else None
 
     def ended(self, capture: Capture) -> None:
         """After a forward: whether the forward ``capture`` holds drew from them (once each)."""
-        if self.probes > 0 and capture.host is not None and not capture.probed:
+        if not self.always and capture.host is not None and not capture.probed:
             capture.probed = True
-            self.probes = self.probes - 1 if same_host_states(capture.host, host_states()) else -1
+            self.always = not same_host_states(capture.host, host_states())
 
 
 def param_versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:

@@ -183,7 +183,7 @@ def sum32(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float32:  # (first: the usual case in one attribute read)
         return t.sum()
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.resolve_conj())  # (a lazily conjugated gradient: out.conj())
     if t.dtype == torch.float64:
         return t.sum().float()
     return t.sum(dtype=torch.float32)

@@ -136,16 +136,68 @@ def test_a_forward_drawing_from_python_or_numpy_is_replayed_with_the_same_draws(
 
 
 def test_a_model_that_draws_from_neither_stops_having_them_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Python's and NumPy's states cost about 40 us a forward to read: read as the first two
-    training forwards begin and end, then, as neither was drawn from, not again."""
+    """Python's and NumPy's states cost about 40 us a forward to read: read as the first
+    PROBES training forwards begin and end, then as one in every PROBE_EVERY does."""
     reads: list[int] = []
     read = rp.host_states
     monkeypatch.setattr(rp, "host_states", lambda: reads.append(1) or read())
     net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 1))
     with gpudiag.watch(net, "raise", record_dir=False) as watcher:
-        for _ in range(5):
+        for _ in range(rp.PROBE_EVERY + 2):
             net(torch.randn(3, 4)).sum().backward()
-    assert watcher.localize == "replay" and watcher.step == 5 and len(reads) == 2 * rp.PROBES
+    assert watcher.localize == "replay" and len(reads) == 2 * (rp.PROBES + 1)
+
+
+class Breaks(nn.Module):
+    """A linear layer whose output goes NaN once ``broken``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.broken = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.lin(h)
+        return out * float("nan") if self.broken else out
+
+
+class DrawsInOneMicroBatch(nn.Module):
+    """Three micro-batches a step; the third draws from NumPy whether ``bad`` runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.bad = Breaks()
+        self.head = nn.Linear(8, 1)
+        self.micro = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.micro == 2 and np.random.random() < 0.5:
+            h = h + self.bad(h)
+        return self.head(h)
+
+
+def accumulates_draws(localize: str) -> tuple[int, str, str, str] | None:
+    np.random.seed(0)
+    torch.manual_seed(0)
+    net = DrawsInOneMicroBatch()
+    with gpudiag.watch(net, "record", record_dir=False, localize=localize) as watcher:
+        for step in range(12):
+            net.bad.broken = step >= 6
+            for micro in range(3):
+                net.micro = micro
+                net(torch.randn(4, 8)).sum().backward()
+    return None if watcher.report is None else named(watcher)
+
+
+def test_a_model_drawing_in_one_micro_batch_of_three_is_replayed_with_its_draws() -> None:
+    """Only the last of three micro-batches draws: the first forwards of the run that are
+    compared include it, so the faulty step's replay takes the layer the training forward
+    took (with only the first two compared it did not, and said the fault did not recur)."""
+    found = accumulates_draws("trail")
+    assert found is not None and found[1:3] == ("bad", "forward")
+    assert accumulates_draws("replay") == found
 
 
 def test_a_non_finite_loss_given_to_observe_says_the_models_outputs_were_finite() -> None:

@@ -278,3 +278,32 @@ def test_the_loss_gradient_witness_is_exact_both_ways() -> None:
         one[2, 7] = bad
         assert not math.isfinite(float(output_grad_witness(one)))
         assert not math.isfinite(float(output_grad_witness(one.double())))
+
+
+class Complex(nn.Module):
+    """A complex output, or its lazily conjugated view (``conj``: torch's conjugate bit)."""
+
+    def __init__(self, conj: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.conj = conj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        z = torch.complex(h, 2 * h)
+        return z.conj() if self.conj else z
+
+
+@pytest.mark.parametrize("localize", ["replay", "trail"])
+@pytest.mark.parametrize("conj", [False, True], ids=["plain-output", "conj-output"])
+def test_a_lazily_conjugated_output_or_gradient_is_witnessed(localize: str, conj: bool) -> None:
+    """``(out.conj() * c).real.sum()``, an inner-product loss: the gradient into the output
+    carries torch's conjugate bit (and with ``conj`` the output too), which
+    ``torch.view_as_real`` refuses: the backward raised RuntimeError out of the watcher."""
+    torch.manual_seed(0)
+    net = Complex(conj)
+    with gpudiag.watch(net, "raise", record_dir=False, localize=localize) as watcher:
+        for _ in range(2):
+            out = net(torch.randn(3, 4))
+            (out.conj() * torch.tensor(1 + 2j)).real.sum().backward()
+    assert watcher.report is None and watcher.step == 2
