@@ -7,7 +7,8 @@ Cost model (a clean step; docs/watch.md has the figures):
   module hooks on only once a step goes bad; elsewhere each module's forward hook keeps a
   *reference* to its output (modules that could name nothing are not hooked: :func:`says_nothing`);
 - the model's outputs get one float32 sum each (a witness: non-finite whenever any element
-  is) and a node pre-hook whose sum witnesses the gradient coming in from the loss;
+  is) and a node pre-hook that witnesses the gradient coming in from the loss (exactly:
+  :func:`gpudiag.watch.witness.output_grad_witness`);
 - gradients: under DDP each rank's own gradients are witnessed in one pass at the end of
   the backward, before DDP's finalize copies the all-reduced buckets over them (or as
   :func:`gpudiag.watch.ddp.attach` chose), and what came back after it; elsewhere one pass

@@ -217,8 +217,7 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = Fa
     # in-place versions too (autograd checks them: BatchNorm saves its running statistics).
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)]
     now = {g: g.get_state() for c in captures for g, _ in c.rng}
-    numpy = sys.modules.get("numpy")  # (drawn from by some models' LayerDrop; not imported for it)
-    py_now, np_now = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    host_now = host_states()  # (drawn from by some models' LayerDrop; numpy not imported for it)
     try:
         for m, name, b in buffers:
             setattr(m, name, b.detach().clone())
@@ -242,9 +241,7 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = Fa
             setattr(m, name, b)
         for g, state in now.items():
             g.set_state(state)
-        random.setstate(py_now)
-        if numpy is not None:
-            numpy.random.set_state(np_now)
+        set_host_states(host_now)
     return None
 
 
