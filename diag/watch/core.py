@@ -12,7 +12,7 @@ Cost model (a clean step; docs/watch.md has the figures):
 - gradients: under DDP each rank's own gradients are witnessed in one pass at the end of
   the backward, before DDP's finalize copies the all-reduced buckets over them (or as
   :func:`gpudiag.watch.ddp.attach` chose), and what came back after it; elsewhere one pass
-  (on the CPU in a few ops: :func:`gpudiag.watch.witness.step_clean`);
+  (on the CPU in one op: :func:`gpudiag.watch.witness.step_clean`);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
   received non-finite from the all-reduce) is all-reduced (MIN) on the way.
@@ -55,8 +55,8 @@ from gpudiag.watch.torchapi import end_of_backward_callback as _end_of_backward_
 from gpudiag.watch.unwrap import unwrap
 from gpudiag.watch.witness import (
     float_tensors,
-    grad_groups,
     grad_state,
+    kept_output_grad,
     output_grad_witness,
     output_witness,
     tensor_version,
@@ -199,9 +199,8 @@ class Watcher:
         self._comm: CommState | None = None
         self._param_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's sum)
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
-        #: every parameter, listed once (walking the modules costs ~0.1 ms a step), and grouped
+        #: every parameter, listed once (walking the modules costs ~0.1 ms a step)
         self._all_params = list(self.inner.parameters())
-        self._grad_groups = grad_groups(self._all_params)
         self._pre: PreFinalize | None = None
         #: how DDP gradients are seen before the all-reduce (see :func:`watch`): "before-finalize",
         #: "bucket-hook" or "tensor-hooks"; "local" without DDP
@@ -299,13 +298,17 @@ class Watcher:
         costs, which builds a Python hook dictionary and handle on every step's output),
         picking ``t``'s own gradient among the node's; a tensor hook where ``t`` has no node
         (a leaf) or the node takes no pre-hooks."""
-        node = t.grad_fn
-        prehook = getattr(node, "register_prehook", None)
+        prehook = getattr(t.grad_fn, "register_prehook", None)
         if prehook is None:
             t.register_hook(self._on_output_grad)
-            return
-        index, seen = t.output_nr, self._on_output_grad
-        prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
+        elif (index := t.output_nr) == 0:  # (the usual case: the node's first output, no closure)
+            prehook(self._on_first_grad)
+        else:
+            seen = self._on_output_grad
+            prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
+
+    def _on_first_grad(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self._on_output_grad(grads[0] if grads else None)
 
     def _on_output_grad(self, grad: torch.Tensor | None) -> None:
         if self.done:
@@ -319,7 +322,7 @@ class Watcher:
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
             self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(output_grad_witness(grad))
+            self._out_grads.append(kept_output_grad(grad) if self.ddp is None else output_grad_witness(grad))
 
     def _end_of_backward(self) -> None:
         """The first end-of-backward callback, queued as the backward reached the model's

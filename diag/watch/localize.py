@@ -18,9 +18,9 @@ from gpudiag.watch.replay import DID_NOT_RECUR, param_versions, replay
 from gpudiag.watch.witness import (
     bad_count,
     float_tensors,
-    grad_groups,
     grad_witness,
     has_nan,
+    output_grad_witness,
     step_clean,
 )
 
@@ -28,16 +28,12 @@ from gpudiag.watch.witness import (
 def check_local(watcher: Any) -> Local | None:
     """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
     values only, one read-back; what went non-finite first, or None."""
-    if not watcher._fwd_device:  # the usual CPU step: one read (step_clean), then done
-        if watcher._grad_groups is None:  # (lazy parameters: grouped once they have shapes)
-            watcher._grad_groups = grad_groups(watcher._all_params)
-        total = step_clean(watcher._grad_groups, watcher._out_grads)
-        if (
-            total is not None
-            and math.isfinite(total)
-            and (math.isfinite(sum(watcher._fwd_host)) or forward_verdict(watcher._outputs) != "nan")
-        ):
-            return None  # every gradient finite; the outputs too, or Inf alone (masked logits)
+    if (  # the usual CPU step: one read (step_clean), then done
+        not watcher._fwd_device
+        and step_clean(watcher._all_params, watcher._out_grads)
+        and (math.isfinite(sum(watcher._fwd_host)) or forward_verdict(watcher._outputs) != "nan")
+    ):
+        return None  # every gradient finite; the outputs too, or Inf alone (masked logits)
     every = [p.grad for p in watcher._all_params]
     if any(g is None for g in every):
         params = [p for p, g in zip(watcher._all_params, every, strict=True) if g is not None]
@@ -47,14 +43,15 @@ def check_local(watcher: Any) -> Local | None:
     if not watcher._fwd_device and not any(g.is_cuda for g in watcher._out_grads[:1] + grads[:1]):
         # The CPU, the exact way: the forward was read as it ended; a value per gradient.
         fwd = watcher._fwd_host
-        out_grads = torch.stack(watcher._out_grads).tolist() if watcher._out_grads else []
+        out_grads = [float(output_grad_witness(g)) for g in watcher._out_grads]
         values = grad_witness(grads).tolist()
         if math.isfinite(sum(values) + sum(out_grads) + sum(fwd)):
             return None  # (a sum that overflowed on finite values goes on: counted below)
     else:
         outs = [w.reshape(-1) for w, _, _ in watcher._outputs]
         witness = grad_witness(grads)
-        parts = [*outs, *(g.reshape(-1) for g in watcher._out_grads)]
+        out_witnesses = [g if g.dim() == 0 else output_grad_witness(g) for g in watcher._out_grads]
+        parts = [*outs, *(g.reshape(-1) for g in out_witnesses)]
         device = parts[0].device if parts else witness.device
         flat = torch.cat([*(t.to(device) for t in parts), witness.to(device)]).tolist()
         n_out = sum(o.numel() for o in outs)

@@ -53,7 +53,7 @@ class Capture:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     rng: list[tuple[torch.Generator, torch.Tensor]]  # (generator, its state)
-    autocast: list[tuple[str, bool, torch.dtype]]  # (device type, enabled, dtype)
+    autocast: list[tuple[str, bool, torch.dtype | None]]  # (device type, enabled, its dtype where enabled)
     #: the parameters' in-place versions as the forward ended, where it is judged only at the
     #: end of the backward (CUDA, an Inf output): an optimizer stepping inside the backward
     #: changes them, and a replay on changed parameters would blame them
@@ -197,9 +197,17 @@ def capture(
         held(args),
         held(kwargs) if kwargs else kwargs,
         [(g, g.get_state()) for g in gens],
-        [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices],
+        [autocast_state(d) for d in devices],
         host=host.states(),
     )
+
+
+def autocast_state(device: str) -> tuple[str, bool, torch.dtype | None]:
+    """(device type, whether autocast is on there, its dtype where it is): the dtype is asked
+    only then (a replay's ``autocast(enabled=False)`` needs none)."""
+    if torch.is_autocast_enabled(device):
+        return device, True, torch.get_autocast_dtype(device)
+    return device, False, None
 
 
 def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = False) -> str | None:

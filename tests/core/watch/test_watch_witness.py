@@ -1,8 +1,10 @@
-"""The CPU's one-read check of a step (:func:`gpudiag.watch.witness.step_clean`): non-finite
-whenever any gradient element or any loss-gradient witness is, wherever it sits; "cannot
-tell" (the exact way judges) for what it does not take; taken on the clean steps of real
-models, frozen parameters and masked logits included; and, through the watcher, the same
-verdicts as before (sparse gradients, lazy modules, sums that overflow on finite values)."""
+"""The CPU's one-read check of a step (:func:`gpudiag.watch.witness.step_clean`, one pass of
+torch's non-finite check over every gradient): False whenever any gradient element or any
+loss-gradient witness is not finite, wherever it sits, True on huge finite values; "cannot
+tell" (the exact way judges) for what it does not take; the gradients left as they were;
+taken on the clean steps of real models, frozen parameters and masked logits included; and,
+through the watcher, the same verdicts as before (sparse gradients, lazy modules, finite
+values whose sum overflows)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ from torch import nn
 
 import gpudiag
 from gpudiag.watch import localize
-from gpudiag.watch.witness import GradGroups, grad_groups, step_clean
+from gpudiag.watch import witness as wt
+from gpudiag.watch.witness import all_finite, kept_output_grad, step_clean
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def with_grads(shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
@@ -28,58 +33,105 @@ def with_grads(shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float32
     return params
 
 
-def read(groups: GradGroups, out_grads: list[torch.Tensor]) -> float | None:
+def read(params: list[nn.Parameter], out_grads: list[torch.Tensor]) -> bool | None:
     """step_clean as the end-of-backward callback runs it: grad mode off (a plain backward)."""
     with torch.no_grad():
-        return step_clean(groups, out_grads)
+        return step_clean(params, out_grads)
 
 
-SHAPES = [(4, 3), (3,), (2, 2, 2), (5,), (1,), (3, 1)]
+#: Shapes a vectorised pass takes in whole vectors and in a tail (tail elements: scalar code).
+SHAPES = [(4, 3), (3,), (2, 2, 2), (5,), (1,), (3, 1), (67, 5)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    where=st.integers(0, len(SHAPES)),  # len(SHAPES): the loss's gradient witness
-    element=st.integers(0, 100),
+    where=st.integers(0, len(SHAPES) + 1),  # beyond SHAPES: a loss-gradient witness, a kept gradient
+    element=st.integers(0, 400),
     value=st.sampled_from([math.nan, math.inf, -math.inf]),
+    dtype=st.sampled_from(DTYPES),
 )
-def test_one_bad_element_anywhere_makes_the_value_non_finite(where: int, element: int, value: float) -> None:
-    params = with_grads(SHAPES)
-    out_grads = [torch.tensor(1.0), torch.tensor(-2.0)]
-    clean = read(grad_groups(params), out_grads)
-    assert clean is not None and math.isfinite(clean)
-    if where == len(SHAPES):
-        out_grads[element % 2] = torch.tensor(value)
+def test_one_bad_element_anywhere_is_found(
+    where: int, element: int, value: float, dtype: torch.dtype
+) -> None:
+    params = with_grads(SHAPES, dtype)
+    out_grads = [torch.tensor(1.0), torch.full((9, 7), -2.0, dtype=dtype)]  # a witness, a kept gradient
+    assert read(params, out_grads) is True
+    if where >= len(SHAPES):
+        target = out_grads[where - len(SHAPES)]
     else:
         grad = params[where].grad
         assert grad is not None
+        target = grad
+    flat = target.view(-1)
+    flat[element % flat.numel()] = value
+    assert read(params, out_grads) is False
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_huge_finite_values_are_clean_and_left_as_they_were(dtype: torch.dtype) -> None:
+    """The largest finite values of each dtype (a sum of them overflows; the check is per
+    element), subnormals and a negative zero: clean, and every gradient's bits, and its
+    in-place version, as before the check."""
+    info = torch.finfo(dtype)
+    params = with_grads(SHAPES, dtype)
+    for p in params:
+        grad = p.grad
+        assert grad is not None
         flat = grad.view(-1)
-        flat[element % flat.numel()] = value
-    bad = read(grad_groups(params), out_grads)
-    assert bad is not None and not math.isfinite(bad)
+        flat[0], flat[-1] = info.max, -info.max
+        if flat.numel() > 2:
+            flat[1] = info.smallest_normal / 4  # a subnormal
+        if flat.numel() > 3:
+            flat[2] = -0.0
+    kept = [p.grad.clone() for p in params if p.grad is not None]
+    versions = [wt.tensor_version(p.grad) for p in params if p.grad is not None]
+    assert read(params, []) is True
+    after = [p.grad for p in params if p.grad is not None]
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(kept, after, strict=True)
+    )
+    assert [wt.tensor_version(g) for g in after] == versions
 
 
-def test_what_it_does_not_take_goes_the_exact_way() -> None:
-    params = with_grads(SHAPES, torch.float16)  # float16 sums overflow on finite values
-    assert read(grad_groups(params), []) is None
-    params = with_grads(SHAPES)
-    params[1].grad = torch.tensor([1.0, 0.0, 0.0]).to_sparse()  # a sparse vector: no concatenation
-    assert read(grad_groups(params), []) is None
-    with torch.enable_grad():  # the callback of a backward with create_graph=True
-        assert step_clean(grad_groups(with_grads(SHAPES)), []) is None
-    assert read(None, []) is None  # a lazy module's parameters, not grouped yet
-
-
-def test_what_it_takes_it_adds_up() -> None:
-    """Every gradient there is (a parameter without one, frozen or unused, has nothing to
-    check), in float32, float64 or bfloat16; nothing at all reads as 0."""
-    values = [(0.5 + i) * math.prod(s) for i, s in enumerate(SHAPES)]
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        assert read(grad_groups(with_grads(SHAPES, dtype)), []) == pytest.approx(sum(values), rel=1e-2)
+def test_a_parameter_without_a_gradient_has_nothing_to_check() -> None:
     params = with_grads(SHAPES)
     params[3].grad = None
-    assert read(grad_groups(params), [torch.tensor(2.0)]) == pytest.approx(sum(values) - values[3] + 2)
-    assert read(([], []), []) == 0.0
+    assert read(params, [torch.tensor(2.0)]) is True
+    assert read([], []) is True
+    params[0].requires_grad_(False).grad = None  # frozen
+    params[1].grad.view(-1)[0] = math.nan  # type: ignore[union-attr]
+    assert read(params, []) is False
+
+
+def test_what_it_does_not_take_goes_the_exact_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = with_grads(SHAPES)
+    params[1].grad = torch.tensor([1.0, 0.0, 0.0]).to_sparse()  # a sparse gradient
+    assert read(params, []) is None
+    params = with_grads(SHAPES)
+    params[1].grad = torch.ones(1).expand(3)  # an expanded tensor: no pass writes it
+    assert read(params, []) is None
+    params = with_grads(SHAPES)
+    assert read(params, [torch.ones(2, dtype=torch.complex64)]) is None  # complex
+    with torch.enable_grad():  # the callback of a backward with create_graph=True
+        assert step_clean(with_grads(SHAPES), []) is None
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")  # a torch without it
+    assert all_finite([torch.ones(3)]) is None
+    assert read(with_grads(SHAPES), []) is None
+
+
+def test_a_small_cpu_gradient_into_an_output_is_its_own_witness() -> None:
+    """Kept to the end of the backward and read in its one pass where it is small, real and
+    on the CPU; else witnessed at once, exactly (a huge finite gradient is finite)."""
+    small = torch.full((4, 5), 1e38)
+    assert kept_output_grad(small) is small
+    large = torch.full((wt.KEPT_OUTPUT_GRAD + 1,), 1e35)
+    witness = kept_output_grad(large)
+    assert witness.dim() == 0 and math.isfinite(float(witness))
+    large[7] = math.nan
+    assert not math.isfinite(float(kept_output_grad(large)))
+    graph = small.clone().requires_grad_()  # a create_graph backward's gradient
+    assert kept_output_grad(graph).dim() == 0
+    assert kept_output_grad(torch.ones(3, dtype=torch.complex64)).dim() == 0
 
 
 class Frozen(nn.Module):
@@ -149,20 +201,6 @@ def test_a_lazy_module_is_watched_from_before_its_first_forward() -> None:
     assert "0.weight" in report.detail
 
 
-def test_a_large_vector_is_grouped_to_be_summed_alone_not_concatenated() -> None:
-    """A flat parameter holding a whole model (FSDP1-style, ``parameters_to_vector``) is
-    summed as a matrix is; only small vectors are concatenated each step."""
-    flat, bias, weight = (
-        nn.Parameter(torch.zeros(1 << 17)),
-        nn.Parameter(torch.zeros(8)),
-        nn.Parameter(torch.zeros(2, 2)),
-    )
-    groups = grad_groups([flat, bias, weight])
-    assert groups is not None
-    assert [p is flat or p is weight for p in groups[0]] == [True, True] and groups[1] == [bias]
-    assert grad_groups([nn.parameter.UninitializedParameter(), bias]) is None  # lazy: later
-
-
 class Masks(nn.Module):
     """Logits with the last class masked (-inf) when ``masked``: a finite loss and gradients."""
 
@@ -176,14 +214,14 @@ class Masks(nn.Module):
         return out.masked_fill(torch.tensor([False, False, True]), -math.inf) if self.masked else out
 
 
-def spy_on_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float | None], list[int]]:
+def spy_on_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool | None], list[int]]:
     """What each step's one read returned, and the steps (counted from 1) where the exact
     way ran."""
-    reads: list[float | None] = []
+    reads: list[bool | None] = []
     exact: list[int] = []
     one_read, grad_witness = localize.step_clean, localize.grad_witness
 
-    def spied_read(*args: Any) -> float | None:
+    def spied_read(*args: Any) -> bool | None:
         reads.append(one_read(*args))
         return reads[-1]
 
@@ -207,7 +245,7 @@ def test_an_output_holding_an_inf_is_read_once(monkeypatch: pytest.MonkeyPatch) 
             net.masked = masked
             torch.nn.functional.cross_entropy(net(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
     assert watcher.report is None and watcher.step == 3
-    assert len(reads) == 3 and all(r is not None and math.isfinite(r) for r in reads) and not exact
+    assert reads == [True, True, True] and not exact
 
 
 class Encoder(nn.Module):
@@ -240,8 +278,7 @@ def test_the_one_read_settles_the_clean_steps_of_a_real_model(monkeypatch: pytes
             out = net(tokens)
             torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens.flatten()).backward()
             net.zero_grad()
-    assert all(r is not None and math.isfinite(r) for r in reads[:3])
-    assert reads[3] is not None and not math.isfinite(reads[3]) and min(exact) == 4
+    assert reads[:4] == [True, True, True, False] and min(exact) == 4
     report = watcher.report
     assert report is not None and (report.step, report.phase) == (3, "backward")
     assert "layer.linear2.weight" in report.detail
@@ -307,3 +344,18 @@ def test_a_lazily_conjugated_output_or_gradient_is_witnessed(localize: str, conj
             out = net(torch.randn(3, 4))
             (out.conj() * torch.tensor(1 + 2j)).real.sum().backward()
     assert watcher.report is None and watcher.step == 2
+
+
+@pytest.mark.parametrize("elements", [64, wt.KEPT_OUTPUT_GRAD + 1024], ids=["kept", "witnessed-at-once"])
+def test_a_non_finite_loss_is_named_whether_its_gradient_was_kept_or_not(elements: int) -> None:
+    """The gradient into the outputs, kept to the end of the backward (small) or witnessed at
+    once (over :data:`KEPT_OUTPUT_GRAD` elements): a huge finite one is no fault, a NaN loss
+    computed outside the model is named there."""
+    lin = nn.Linear(4, 1024 if elements > 1024 else 8)
+    x = torch.randn(max(1, elements // lin.out_features), 4)
+    with gpudiag.watch(lin, "record", record_dir=False) as watcher:
+        (lin(x) * 1e30).sum().backward()
+        (lin(x).mean() * math.nan).backward()
+    report = watcher.report
+    assert report is not None
+    assert (report.step, report.module, report.phase) == (1, "<loss>", "backward")
