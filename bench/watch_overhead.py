@@ -24,7 +24,9 @@ per GPU.
 
 Each process holds models of the same weights (``--kinds``; by default ``plain`` and
 ``watched``, for DDP also ``--kinds plain,hooked,watched,watched-bucket``), stepped
-round-robin (the order rotates every step) so all see the same machine load:
+round-robin (the order rotates every step) so all see the same machine load; in one
+process two of each kind, made in the order plain, watched, watched, plain (two models
+made one after the other differ by up to 1 % in speed, by where they lie in memory):
 
 - ``plain``: the model as users run it (DDP without a comm hook: the reducer's C++
   all-reduce) — the baseline;
@@ -70,6 +72,11 @@ MODELS = {
     "cpu": "mlp,transformer,resnet18,ddp-resnet18",
     "cuda": "mlp,transformer,resnet18,ddp-resnet18,ddp-resnet50",
 }
+#: The order the single-process models are made in: (replica, kind). Two models of the same
+#: kind made one after the other step at speeds up to 1 % apart, every run (where each lies
+#: in memory: in a plain/plain pair the first made was 0.2-1.1 % slower, 2026-11-27), so
+#: each kind is two models in the balanced order plain, watched, watched, plain.
+ORDER = ((1, "plain"), (1, "watched"), (2, "watched"), (2, "plain"))
 #: Rounds per model by default: more for short steps, whose single ratios swing more.
 STEPS = {"mlp": 600, "transformer": 300, "resnet18": 60, "ddp-resnet18": 150, "ddp-resnet50": 100}
 
@@ -139,24 +146,35 @@ def _single_case(name: str, target: torch.device) -> tuple[Any, Any]:
 
 
 def _single(name: str, device: str, steps: int, warmup: int, kinds: tuple[str, ...]) -> dict[str, Any]:
-    """One process: plain and watched models of one size stepped round-robin."""
+    """One process: two models of each kind, made in the balanced order plain, watched,
+    watched, plain (:data:`ORDER`), stepped round-robin; a kind's time in a round is the
+    mean of its two models'."""
     target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     if device == "cpu":
         torch.set_num_threads(1)
     make, loss_of = _single_case(name, target)
     models = {}
     watchers = []
-    for kind in kinds:
+    made = [(kind, i) for i, kind in ORDER if kind in kinds]
+    for kind, i in made:
         torch.manual_seed(0)
         model = make().to(target)
         if kind == "watched":
             watchers.append(gpudiag.watch(model, "raise", record_dir=False))
-        models[kind] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
-    result = _rounds(models, loss_of, kinds, steps, warmup)
+        models[f"{kind}{i}"] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+    raw = _rounds(models, loss_of, tuple(models), steps, warmup)
     assert all(w.step == warmup + steps and w.report is None for w in watchers)
     for w in watchers:
         w.close()
-    return result
+    return {
+        measure: {kind: _mean_of_pairs(times[f"{kind}1"], times[f"{kind}2"]) for kind in kinds}
+        for measure, times in raw.items()
+    }
+
+
+def _mean_of_pairs(first: list[float], second: list[float]) -> list[float]:
+    """Round by round, the mean of a kind's two models' times."""
+    return [(a + b) / 2 for a, b in zip(first, second, strict=True)]
 
 
 def _rounds(
