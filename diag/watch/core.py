@@ -144,7 +144,7 @@ class Watcher:
         #: replay: the generators a forward draws from, the device types whose autocast it runs under
         self._gens = rp.generators(self.device) if self.localize == "replay" else []
         self._autocast = rp.autocast_devices(self.device)
-        self._host = rp.HostDraws()  # replay: whether forwards draw from Python's or NumPy's generator
+        self._draws = rp.Draws(self._gens)  # replay: which generators the forwards draw from
 
         self.step = 0  # backward passes completed
         #: this run's name in its records (under DDP the first rank's, agreed on at watch())
@@ -255,11 +255,11 @@ class Watcher:
             self._only_eval = False
             self._inputs.append((inputs, kwargs) if kwargs else inputs)
             if self._gens:
-                self._captures.append(rp.capture(inputs, kwargs, self._gens, self._autocast, self._host))
+                self._captures.append(rp.capture(inputs, kwargs, self._autocast, self._draws))
 
     def _post_root(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        if self._captures and self._captures[-1].host is not None:  # (a forward probed for draws)
-            self._host.ended(self._captures[-1])
+        if self._captures and self._captures[-1].probe:  # (a forward probed for draws)
+            self._draws.ended(self._captures[-1])
         if not self._replaying:
             self.observe(output, "")
 

@@ -164,10 +164,12 @@ def seen_calls(watcher: Any, every: bool = False) -> list[Seen]:
         watcher._eval = False
         try:
             mark = len(watcher._trail)
-            watcher._replay_error = replay(watcher.model, captures, watcher._module_hook)
+            watcher._replay_error = replay(watcher.model, captures, watcher._module_hook, gens=watcher._gens)
             if watcher._replay_error is not None:  # once more in grad mode (autograd.grad inside)
                 del watcher._trail[mark:]
-                watcher._replay_error = replay(watcher.model, captures, watcher._module_hook, grad=True)
+                watcher._replay_error = replay(
+                    watcher.model, captures, watcher._module_hook, True, watcher._gens
+                )
         finally:
             watcher._replaying, watcher._eval = False, evaluating
     return [Seen(*seen) for seen in watcher._trail]

@@ -15,7 +15,7 @@ forward that differentiates inside itself raises there, and is replayed in grad 
 It runs on copies of the forward's tensor arguments (one that changes its input in place
 changes the copy, not the batch autograd saved). Afterwards the generators go back to
 where training left them (Python's and NumPy's too, set back for the replay where the
-model draws from them: :class:`HostDraws`), and the buffers
+model draws from them: :class:`Draws`), and the buffers
 (BatchNorm's running statistics, its batch count) are as before the replay (it updates
 copies of them), so training goes on as if it had not run. What it cannot undo: a
 forward's other side effects (the user's own forward hooks, a counter or a cache in the
@@ -24,6 +24,7 @@ flaky device) is named at the output, saying so (:data:`DID_NOT_RECUR`)."""
 
 import contextlib
 import copy
+import functools
 import random
 import sys
 from collections import UserDict
@@ -46,14 +47,19 @@ DID_NOT_RECUR = (
 )
 
 
+#: (device type, autocast on there, its dtype where on)
+AutocastState = tuple[str, bool, torch.dtype | None]
+
+
 @dataclass(slots=True)
 class Capture:
     """One forward, as it began: enough to run it again."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng: list[tuple[torch.Generator, torch.Tensor]]  # (generator, its state)
-    autocast: list[tuple[str, bool, torch.dtype | None]]  # (device type, enabled, its dtype where enabled)
+    #: (generator, its state) for torch's generators, where read (:class:`Draws`)
+    rng: list[tuple[torch.Generator, torch.Tensor]]
+    autocast: Sequence[AutocastState]
     #: the parameters' in-place versions as the forward ended, where it is judged only at the
     #: end of the backward (CUDA, an Inf output): an optimizer stepping inside the backward
     #: changes them, and a replay on changed parameters would blame them
@@ -61,13 +67,13 @@ class Capture:
     #: judged clean as it ended (the CPU): replayed for a gradient's order only, not searched
     #: for a later forward's fault (the hooks' trail of it was let go then too)
     settled: bool = False
-    #: Python's and NumPy's global generator states as it began (:class:`HostDraws`), or None
+    #: Python's and NumPy's global generator states as it began, where read (:class:`Draws`)
     host: tuple[Any, Any] | None = None
-    probed: bool = False  # compared with those states as it ended (:meth:`HostDraws.ended`)
+    probe: bool = False  # its states are to be compared as it ends (:meth:`Draws.ended`)
 
 
-#: The first training forwards whose Python and NumPy generator states are compared as they
-#: begin and end (several: gradient accumulation's micro-batches may draw in only one)…
+#: The first training forwards whose generator states are compared as they begin and end
+#: (several: gradient accumulation's micro-batches may draw in only one)…
 PROBES = 8
 #: …and after them one forward in this many, for a model that draws only sometimes.
 PROBE_EVERY = 64
@@ -94,30 +100,41 @@ def set_host_states(states: tuple[Any, Any]) -> None:
         numpy.random.set_state(states[1])
 
 
-class HostDraws:
-    """Whether a model's forwards draw from Python's or NumPy's global generators (LayerDrop:
-    ``random.random() < p``; wav2vec2's SpecAugment masks: ``np.random``), which a replay
-    must then set back too. Reading those states costs about 40 µs a forward (Python's 8,
-    NumPy's 31: more than the rest of a capture), so they are read as the first
-    :data:`PROBES` training forwards begin, and one in every :data:`PROBE_EVERY` after, and
-    compared as each ends: once one drew, they are read at every forward. Until then a
-    forward that draws is replayed with other draws (a model that draws rarely, or starts
-    to later: ``localize="trail"`` for it)."""
+class Draws:
+    """Which generators a model's forwards draw from, which a replay must set back to each
+    forward's start: torch's default generators (dropout, drop path, random masking) and
+    Python's or NumPy's global ones (LayerDrop: ``random.random() < p``; wav2vec2's
+    SpecAugment masks: ``np.random``). Reading their states costs, inside a training step,
+    about 10 µs for torch's CPU generator (a 5 KB copy), 8 µs for Python's and 31 µs for
+    NumPy's, so they are read as the first :data:`PROBES` training forwards begin and one in
+    every :data:`PROBE_EVERY` after, and compared as each of those ends: a kind seen to be
+    drawn from is read at every forward from then on. Until then a forward that draws is
+    replayed with other draws (a model that draws rarely, or only after its first forwards:
+    ``localize="trail"`` for it); torch's generators are set back after a replay either way."""
 
-    def __init__(self) -> None:
+    def __init__(self, gens: list[torch.Generator]) -> None:
+        self.gens = gens
         self.forwards = 0  # training forwards captured so far
-        self.always = False  # a forward was seen to draw: read at every forward
+        self.torch = False  # a forward drew from torch's generators: read at every forward
+        self.host = False  # …from Python's or NumPy's
 
-    def states(self) -> tuple[Any, Any] | None:
-        """The states for a training forward's capture, where this one is read."""
+    def begin(self) -> tuple[list[tuple[torch.Generator, torch.Tensor]], tuple[Any, Any] | None, bool]:
+        """(torch's generator states, Python's and NumPy's, whether to compare them as the
+        forward ends) for a training forward's capture: each read where needed."""
         n, self.forwards = self.forwards, self.forwards + 1
-        return host_states() if self.always or n < PROBES or n % PROBE_EVERY == 0 else None
+        probe = n < PROBES or n % PROBE_EVERY == 0
+        rng = [(g, g.get_state()) for g in self.gens] if probe or self.torch else []
+        return rng, host_states() if probe or self.host else None, probe
 
     def ended(self, capture: Capture) -> None:
-        """After a forward: whether the forward ``capture`` holds drew from them (once each)."""
-        if not self.always and capture.host is not None and not capture.probed:
-            capture.probed = True
-            self.always = not same_host_states(capture.host, host_states())
+        """After a probed forward: whether it drew from either kind (compared once)."""
+        if not capture.probe:
+            return
+        capture.probe = False
+        if not self.torch:
+            self.torch = any(not torch.equal(state, g.get_state()) for g, state in capture.rng)
+        if not self.host and capture.host is not None:
+            self.host = not same_host_states(capture.host, host_states())
 
 
 def param_versions(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -184,25 +201,35 @@ def autocast_devices(device: torch.device) -> tuple[str, ...]:
 def capture(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    gens: list[torch.Generator],
     devices: tuple[str, ...],
-    host: HostDraws,
+    draws: Draws,
 ) -> Capture:
-    """What :func:`replay` needs of a forward that is beginning: a generator state is a small
-    tensor copy, the autocast state a few flags (about 3 µs alone, 20 µs inside a training
-    step whose ops have taken the caches). Its arguments' containers are copied
-    (:func:`held`): a forward taking a dict batch apart (``batch.pop("labels")``) leaves the
-    replay the batch it was given."""
-    return Capture(
-        held(args),
-        held(kwargs) if kwargs else kwargs,
-        [(g, g.get_state()) for g in gens],
-        [autocast_state(d) for d in devices],
-        host=host.states(),
-    )
+    """What :func:`replay` needs of a forward that is beginning: the generator states it
+    draws from (:class:`Draws`), the autocast state (a few flags), references to its
+    arguments — about 30 µs inside a training step whose ops have taken the caches, 4 µs
+    alone. Their containers are copied (:func:`held`): a forward taking a dict batch apart
+    (``batch.pop("labels")``) leaves the replay the batch it was given."""
+    rng, host, probe = draws.begin()
+    autocast: Sequence[AutocastState]
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        autocast = autocast_off(devices)
+    else:
+        autocast = [autocast_state(d) for d in devices]
+    return Capture(held(args), held(kwargs) if kwargs else kwargs, rng, autocast, host=host, probe=probe)
 
 
-def autocast_state(device: str) -> tuple[str, bool, torch.dtype | None]:
+#: Whether autocast is on for any device type (torch internals, guarded: None where a torch
+#: has none, and each device type is asked): one call, where asking each type costs 5 µs.
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+@functools.cache
+def autocast_off(devices: tuple[str, ...]) -> tuple[AutocastState, ...]:
+    """The autocast state of ``devices`` with autocast off everywhere."""
+    return tuple((d, False, None) for d in devices)
+
+
+def autocast_state(device: str) -> AutocastState:
     """(device type, whether autocast is on there, its dtype where it is): the dtype is asked
     only then (a replay's ``autocast(enabled=False)`` needs none)."""
     if torch.is_autocast_enabled(device):
@@ -210,13 +237,20 @@ def autocast_state(device: str) -> tuple[str, bool, torch.dtype | None]:
     return device, False, None
 
 
-def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = False) -> str | None:
+def replay(
+    model: nn.Module,
+    captures: list[Capture],
+    hook: Any,
+    grad: bool = False,
+    gens: Sequence[torch.Generator] = (),
+) -> str | None:
     """Run ``captures``' forwards of ``model`` again, in order, with ``hook(path)``'s forward
     hook on every module that could name an origin (:func:`says_nothing`); put the
     generators and buffers back afterwards. Under ``no_grad``, or with ``grad`` in grad mode
     (a forward that differentiates inside itself, ``torch.autograd.grad``, needs it: the
-    caller's second try). Returns None, or why it could not run (the parameters changed
-    since, or the exception the model raised on the replay)."""
+    caller's second try). ``gens``: torch's generators the forwards may draw from, set back
+    afterwards whether or not a capture read them. Returns None, or why it could not run
+    (the parameters changed since, or the exception the model raised on the replay)."""
     params = list(model.parameters())
     if any(c.versions is not None and c.versions != param_versions(params) for c in captures):
         return "its parameters changed before it was checked: an optimizer stepping inside the backward"
@@ -224,7 +258,7 @@ def replay(model: nn.Module, captures: list[Capture], hook: Any, grad: bool = Fa
     # The replay updates copies of the buffers: the originals are untouched, and their
     # in-place versions too (autograd checks them: BatchNorm saves its running statistics).
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)]
-    now = {g: g.get_state() for c in captures for g, _ in c.rng}
+    now = {g: g.get_state() for g in [*gens, *(g for c in captures for g, _ in c.rng)]}
     host_now = host_states()  # (drawn from by some models' LayerDrop; numpy not imported for it)
     try:
         for m, name, b in buffers:

@@ -16,7 +16,7 @@ from gpudiag.errors import InputError
 from gpudiag.hw.sources import read_machine_or_capture
 from gpudiag.runtime.devices import DeviceSet
 from gpudiag.runtime.dp import VirtualDataParallel
-from gpudiag.watch.replay import DID_NOT_RECUR, HostDraws, capture, generators, replay
+from gpudiag.watch.replay import DID_NOT_RECUR, Draws, capture, generators, replay
 from tests.helpers import models
 
 
@@ -164,7 +164,7 @@ def test_a_replay_on_parameters_changed_since_the_forward_is_refused() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     x = torch.randn(2, 4)
-    c = capture((x,), {}, generators(torch.device("cpu")), ("cpu",), HostDraws())
+    c = capture((x,), {}, ("cpu",), Draws(generators(torch.device("cpu"))))
     c.versions = tuple(int(p._version) for p in net.parameters())
     with torch.no_grad():
         net[0].weight.add_(1.0)  # an optimizer step inside the backward

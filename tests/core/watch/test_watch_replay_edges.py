@@ -1,5 +1,6 @@
 """``localize="replay"`` against forwards that are harder to run twice: a forward that
-changes its input in place, one that draws from Python's and NumPy's generators, and
+changes its input in place, one that draws from Python's and NumPy's generators (or from
+torch's only after its first forwards), and
 gradient accumulation whose earlier micro-batch held a NaN the model itself cleaned away.
 Each names what the hooks on every step (``localize="trail"``) name, and training goes on as
 without the watcher."""
@@ -146,6 +147,69 @@ def test_a_model_that_draws_from_neither_stops_having_them_read(monkeypatch: pyt
         for _ in range(rp.PROBE_EVERY + 2):
             net(torch.randn(3, 4)).sum().backward()
     assert watcher.localize == "replay" and len(reads) == 2 * (rp.PROBES + 1)
+
+
+def torch_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each training forward captured: whether torch's generator states were read."""
+    reads: list[bool] = []
+    begin = rp.Draws.begin
+
+    def spied(draws: rp.Draws) -> Any:
+        rng, host, probe = begin(draws)
+        reads.append(bool(rng))
+        return rng, host, probe
+
+    monkeypatch.setattr(rp.Draws, "begin", spied)
+    return reads
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["draws-nothing", "dropout"])
+def test_torchs_generator_is_read_at_every_forward_only_for_a_model_that_draws(
+    monkeypatch: pytest.MonkeyPatch, dropout: float
+) -> None:
+    """A model without dropout has torch's generator state (a 5 KB copy, ~10 us inside a
+    step) read only as the probed forwards begin; one with dropout at every forward, so its
+    replay draws the masks the training forward drew."""
+    reads = torch_reads(monkeypatch)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(dropout), nn.Linear(4, 1))
+    with gpudiag.watch(net, "raise", record_dir=False):
+        for _ in range(rp.PROBE_EVERY + 2):
+            net(torch.randn(3, 4)).sum().backward()
+    probed = [n < rp.PROBES or n % rp.PROBE_EVERY == 0 for n in range(rp.PROBE_EVERY + 2)]
+    assert reads == (probed if dropout == 0.0 else [True] * len(probed))
+
+
+class LateDropout(nn.Module):
+    """No dropout for its first forwards, then dropout (a schedule that turns it on), and a
+    NaN out of ``mid`` once ``bad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.p, self.bad = 0.0, False
+        self.mid.register_forward_hook(lambda m, i, out: out * float("nan") if self.bad else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(nn.functional.dropout(self.inp(x), self.p, self.training)))
+
+
+def test_a_model_that_starts_drawing_after_the_probes_trains_on_as_without_the_watcher() -> None:
+    """Its generator state was not read for the faulty forward (its first forwards drew
+    nothing): the replay draws other masks, yet sets torch's generator back — training draws
+    afterwards what it would have drawn unwatched — and the fault is still named in ``mid``."""
+    after = []
+    for watched in (False, True):
+        torch.manual_seed(0)
+        net = LateDropout()
+        watcher = gpudiag.watch(net, "record", record_dir=False) if watched else None
+        for step in range(rp.PROBES + 4):
+            net.p, net.bad = (0.5 if step > rp.PROBES else 0.0), step == rp.PROBES + 2
+            net(torch.randn(3, 4)).sum().backward()
+        after.append(torch.rand(4))
+        if watcher is not None:
+            watcher.close()
+            assert named(watcher)[:3] == (rp.PROBES + 2, "mid", "forward")
+    assert torch.equal(after[0], after[1])
 
 
 class Breaks(nn.Module):
