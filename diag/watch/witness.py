@@ -108,6 +108,10 @@ def step_clean(params: list[torch.Tensor], out_grads: list[torch.Tensor]) -> boo
     return all_finite(tensors)
 
 
+#: GradScaler's pass (see :func:`all_finite`), None on a torch without it.
+_NON_FINITE_CHECK = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+
+
 @functools.cache
 def _unit_scale() -> torch.Tensor:
     """The inverse scale :func:`all_finite` passes (1: every value written back as it was)."""
@@ -126,12 +130,11 @@ def all_finite(tensors: list[torch.Tensor]) -> bool | None:
     two thirds of the time of the sums' ops (docs/watch.md)."""
     if not tensors:
         return True
-    check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
-    if check is None:
+    if _NON_FINITE_CHECK is None:
         return None
     found = torch.zeros(1)
     try:
-        check(tensors, found, _unit_scale())
+        _NON_FINITE_CHECK(tensors, found, _unit_scale())
     except (TypeError, RuntimeError):  # (NotImplementedError for complex and sparse tensors too)
         return None
     return not found.item()
