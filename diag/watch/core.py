@@ -52,11 +52,13 @@ from gpudiag.watch.localize import check_local, settle_forward
 from gpudiag.watch.outcome import MAX_SKIPS, SCALE_FLOOR, conclude, skip_limits
 from gpudiag.watch.record import NonFiniteReport
 from gpudiag.watch.torchapi import end_of_backward_callback as _end_of_backward_callback
+from gpudiag.watch.torchapi import on_gradient
 from gpudiag.watch.unwrap import unwrap
 from gpudiag.watch.witness import (
     float_tensors,
     grad_state,
     kept_output_grad,
+    one_pass_fits,
     output_grad_witness,
     output_witness,
     tensor_version,
@@ -201,6 +203,7 @@ class Watcher:
         self._params = [p for p in self.inner.parameters() if p.requires_grad]
         #: every parameter, listed once (walking the modules costs ~0.1 ms a step)
         self._all_params = list(self.inner.parameters())
+        self._one_pass = one_pass_fits(self._all_params)  # a CPU step read in one pass (not large)
         self._pre: PreFinalize | None = None
         #: how DDP gradients are seen before the all-reduce (see :func:`watch`): "before-finalize",
         #: "bucket-hook" or "tensor-hooks"; "local" without DDP
@@ -284,7 +287,7 @@ class Watcher:
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
-                self._hook_gradient(t)
+                on_gradient(t, self._on_output_grad, self._on_first_grad)
         if witness.is_cuda:
             self._fwd_device = True
             if self._captures and self._captures[-1].versions is None:  # judged after the backward
@@ -292,22 +295,8 @@ class Watcher:
         else:
             settle_forward(self, witness)
 
-    def _hook_gradient(self, t: torch.Tensor) -> None:
-        """Have :meth:`_on_output_grad` see the gradient flowing into output ``t``: a
-        pre-hook on the autograd node that made it (less than half of what ``Tensor.register_hook``
-        costs, which builds a Python hook dictionary and handle on every step's output),
-        picking ``t``'s own gradient among the node's; a tensor hook where ``t`` has no node
-        (a leaf) or the node takes no pre-hooks."""
-        prehook = getattr(t.grad_fn, "register_prehook", None)
-        if prehook is None:
-            t.register_hook(self._on_output_grad)
-        elif (index := t.output_nr) == 0:  # (the usual case: the node's first output, no closure)
-            prehook(self._on_first_grad)
-        else:
-            seen = self._on_output_grad
-            prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
-
     def _on_first_grad(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The node pre-hook of an output that is its node's first (:func:`on_gradient`)."""
         self._on_output_grad(grads[0] if grads else None)
 
     def _on_output_grad(self, grad: torch.Tensor | None) -> None:

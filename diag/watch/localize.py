@@ -20,6 +20,7 @@ from gpudiag.watch.witness import (
     float_tensors,
     grad_witness,
     has_nan,
+    one_pass_fits,
     output_grad_witness,
     step_clean,
 )
@@ -28,8 +29,11 @@ from gpudiag.watch.witness import (
 def check_local(watcher: Any) -> Local | None:
     """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
     values only, one read-back; what went non-finite first, or None."""
-    if (  # the usual CPU step: one read (step_clean), then done
+    if not watcher._fwd_device and watcher._one_pass is None:  # (lazy parameters: sized at last)
+        watcher._one_pass = one_pass_fits(watcher._all_params)
+    if (  # the usual CPU step of a model that is not large: one pass (step_clean), then done
         not watcher._fwd_device
+        and watcher._one_pass
         and step_clean(watcher._all_params, watcher._out_grads)
         and (math.isfinite(sum(watcher._fwd_host)) or forward_verdict(watcher._outputs) != "nan")
     ):

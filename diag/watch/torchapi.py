@@ -1,8 +1,9 @@
 """What the watcher needs from torch and Python beside tensors: autograd's end-of-backward
-queue, which modules a forward hook would tell nothing about, and the user's frame that a
-warning points at."""
+queue, a hook on the gradient flowing into an output, which modules a forward hook would
+tell nothing about, and the user's frame that a warning points at."""
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,27 @@ def end_of_backward_callback() -> Any:
             "does not have (torch.autograd.Variable._execution_engine.queue_callback)"
         )
     return queue
+
+
+def on_gradient(
+    t: torch.Tensor,
+    seen: Callable[[torch.Tensor | None], None],
+    seen_first: Callable[[tuple[torch.Tensor | None, ...]], None],
+) -> None:
+    """Have ``seen`` get the gradient flowing into ``t`` as the backward reaches it: a
+    pre-hook on the autograd node that made ``t`` (less than half of what
+    ``Tensor.register_hook`` costs, which builds a Python hook dictionary and handle on
+    every step's output) — ``seen_first``, given the node's gradients, where ``t`` is its
+    node's first output (the usual case: no closure made), else ``seen`` with ``t``'s own
+    picked among them; a tensor hook where ``t`` has no node (a leaf) or the node takes no
+    pre-hooks."""
+    prehook = getattr(t.grad_fn, "register_prehook", None)
+    if prehook is None:
+        t.register_hook(seen)
+    elif (index := t.output_nr) == 0:
+        prehook(seen_first)
+    else:
+        prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
 
 
 def user_stacklevel() -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gpudiag.runtime.stats import nonfinite_count, stored
 
@@ -88,6 +89,21 @@ def grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
                 [n.reshape(()) for n in torch._foreach_norm([stored(t) for t in tensors])]
             ).float()
         return output_witness(tensors)
+
+
+#: The most gradient values :func:`step_clean`'s one pass is used for (16 MiB in float32,
+#: about what a processor's caches hold): the pass writes every value back, which past the
+#: caches costs memory traffic, while a model that large no longer shows per-op costs — its
+#: steps are read by a sum per gradient (the exact way).
+ONE_PASS_LIMIT = 1 << 22
+
+
+def one_pass_fits(params: list[torch.Tensor]) -> bool | None:
+    """Whether a model's gradients are few enough for :func:`step_clean`'s one pass
+    (:data:`ONE_PASS_LIMIT`); None while a lazy module's parameters have no size yet."""
+    if any(nn.parameter.is_lazy(p) for p in params):
+        return None
+    return sum(p.numel() for p in params) <= ONE_PASS_LIMIT
 
 
 def step_clean(params: list[torch.Tensor], out_grads: list[torch.Tensor]) -> bool | None:

@@ -359,3 +359,30 @@ def test_a_non_finite_loss_is_named_whether_its_gradient_was_kept_or_not(element
     report = watcher.report
     assert report is not None
     assert (report.step, report.module, report.phase) == (1, "<loss>", "backward")
+
+
+def test_a_large_model_is_read_by_sums_not_the_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past :data:`ONE_PASS_LIMIT` gradient values (here lowered to 50) a step is read by a
+    sum per gradient (the pass would write every value back through memory): the one pass
+    is not run, a clean step is still settled, and a NaN gradient still named; a lazy
+    module's model is sized once its parameters are."""
+    assert wt.one_pass_fits([nn.Parameter(torch.zeros(10))]) is True
+    assert wt.one_pass_fits([nn.parameter.UninitializedParameter()]) is None
+    monkeypatch.setattr(wt, "ONE_PASS_LIMIT", 50)
+    assert wt.one_pass_fits([nn.Parameter(torch.zeros(51))]) is False
+    reads, exact = spy_on_reads(monkeypatch)
+    torch.manual_seed(0)
+    for net in (
+        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
+        nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2)),
+    ):
+        with gpudiag.watch(net, "record", record_dir=False) as watcher:
+            for step in range(3):
+                if step == 2:
+                    net[1].weight.register_hook(lambda g: g * math.nan)
+                net(torch.randn(4, 8)).sum().backward()
+                net.zero_grad()
+        report = watcher.report
+        assert watcher._one_pass is False and report is not None
+        assert (report.step, report.phase, report.module) == (2, "backward", "1")
+    assert reads == [] and len(exact) == 6
