@@ -74,7 +74,8 @@ MODELS = {
 }
 #: The order the single-process models are made in: (replica, kind). Two models of the same
 #: kind made one after the other step at speeds up to 1 % apart, every run (where each lies
-#: in memory: in a plain/plain pair the first made was 0.2-1.1 % slower, 2026-11-27), so
+#: in memory, most likely: in a plain/plain pair the first made was 0.1-1.1 % slower in nine
+#: runs, 2026-11-27), so
 #: each kind is two models in the balanced order plain, watched, watched, plain.
 ORDER = ((1, "plain"), (1, "watched"), (2, "watched"), (2, "plain"))
 #: Rounds per model by default: more for short steps, whose single ratios swing more.
