@@ -176,6 +176,7 @@ class Watcher:
         self._fwd_device = False  # a witness of this step is on an accelerator (not read yet)
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
+        self._leaf_hooks: list[Any] = []  # this step's hooks on outputs that are leaves
         #: (gradient, its in-place version) of each loss gradient kept as its own witness
         #: (:func:`gpudiag.watch.witness.kept_output_grad`), checked unchanged at the end
         self._kept: list[tuple[torch.Tensor, int]] = []
@@ -292,7 +293,9 @@ class Watcher:
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
-                on_gradient(t, self._on_output_grad, self._on_first_grad)
+                handle = on_gradient(t, self._on_output_grad, self._on_first_grad)
+                if handle is not None:  # (a leaf's tensor hook: removed as the step is let go)
+                    self._leaf_hooks.append(handle)
         if witness.is_cuda:
             self._fwd_device = True
             if self._captures and self._captures[-1].versions is None:  # judged after the backward
@@ -409,6 +412,9 @@ class Watcher:
         self._fwd_device = False
         self._out_grads.clear()
         self._kept.clear()
+        for handle in self._leaf_hooks:
+            handle.remove()
+        self._leaf_hooks.clear()
         self._order.clear()
         self._early = None
         self._holding = False

@@ -497,3 +497,33 @@ def test_an_inference_mode_gradient_given_to_backward_is_kept_without_failing() 
     with gpudiag.watch(lin, "raise", record_dir=False) as watcher:
         lin(torch.randn(3, 4)).backward(grad)
     assert watcher.report is None and watcher.step == 1
+
+
+class ReturnsItsParameter(nn.Module):
+    """A model whose output is its own parameter (a leaf: no autograd node to pre-hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.ones(4))
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        return self.table
+
+
+def test_the_hook_on_an_output_that_is_a_leaf_is_removed_with_its_step() -> None:
+    """The gradient into a leaf output is seen through a tensor hook, which lives on the
+    parameter past the step: one was added every forward and never removed (hooks piling
+    up, each step slower, still there after close()). Now one at most, none after close(),
+    and a NaN loss still named."""
+    net = ReturnsItsParameter()
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    for step in range(5):
+        (net(torch.ones(1)) * (math.nan if step == 4 else 1.0)).sum().backward()
+        assert len(net.table._backward_hooks or {}) == 0
+    net(torch.ones(1))  # a forward whose backward never comes
+    net(torch.ones(1))
+    assert len(net.table._backward_hooks or {}) <= 2
+    watcher.close()
+    assert len(net.table._backward_hooks or {}) == 0
+    report = watcher.report
+    assert report is not None and (report.step, report.module) == (4, "<loss>")
