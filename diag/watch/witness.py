@@ -144,9 +144,10 @@ def all_finite(tensors: list[torch.Tensor]) -> bool | None:
     ``torch._amp_foreach_non_finite_check_and_unscale_``, what ``GradScaler.unscale_`` runs
     (torch internals, guarded: None on a torch without it, or for tensors it refuses — complex,
     sparse, an expanded tensor, several devices, a tensor subclass that raises whatever it
-    raises): each element checked with ``isfinite``,
-    then written back multiplied by the inverse scale, here 1 — the values unchanged (a
-    bfloat16 NaN's payload aside), no in-place version counted. On one CPU thread it takes
+    raises): each element checked with ``isfinite``, then written back multiplied by the
+    inverse scale, here 1 — the values unchanged (a half-precision NaN's bits aside, on a
+    faulty step only: bfloat16's become the one quiet NaN, sign dropped; float16's
+    signalling ones quiet), no in-place version counted. On one CPU thread it takes
     resnet18's 62 gradients as fast as their sums, and a small transformer's 29 in about
     two thirds of the time of the sums' ops (docs/watch.md)."""
     if not tensors:
