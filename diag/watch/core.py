@@ -176,13 +176,19 @@ class Watcher:
         self._fwd_device = False  # a witness of this step is on an accelerator (not read yet)
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
+        self._leaf_hooks: list[Any] = []  # this step's hooks on outputs that are leaves
+        #: (gradient, its in-place version) of each loss gradient kept as its own witness
+        #: (:func:`gpudiag.watch.witness.kept_output_grad`), checked unchanged at the end
+        self._kept: list[tuple[torch.Tensor, int]] = []
+        #: loss gradients are kept (CPU, no DDP) until one was seen changed in place
+        self._keep = self.ddp is None
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
         self._eval = False  # the model's current forward runs in eval mode
         self._only_eval = True  # everything kept since the last step came from eval-mode forwards
         self._forwards = 0  # forwards of the model since the last check
         self._queued = False
         self._grads_before: tuple[Any, ...] | None = None  # the gradients as this backward began
-        self._out_grads_mark = 0
+        self._out_grads_mark = self._kept_mark = 0
         self._synced = False
         self._dirty = False
         self._bad_params: list[tuple[int, str, int, int]] = []  # (bucket order, name, bad, numel)
@@ -287,7 +293,9 @@ class Watcher:
         for t in tensors:
             if t.requires_grad:
                 self._awaiting = True
-                on_gradient(t, self._on_output_grad, self._on_first_grad)
+                handle = on_gradient(t, self._on_output_grad, self._on_first_grad)
+                if handle is not None:  # (a leaf's tensor hook: removed as the step is let go)
+                    self._leaf_hooks.append(handle)
         if witness.is_cuda:
             self._fwd_device = True
             if self._captures and self._captures[-1].versions is None:  # judged after the backward
@@ -306,12 +314,15 @@ class Watcher:
             self._queued, self._dirty = True, True
             # grad mode inside a backward is its create_graph: a gradient penalty's autograd.grad
             self._grads_before = grad_state(self._params) if torch.is_grad_enabled() else None
-            self._out_grads_mark = len(self._out_grads)
+            self._out_grads_mark, self._kept_mark = len(self._out_grads), len(self._kept)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
             self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            self._out_grads.append(kept_output_grad(grad) if self.ddp is None else output_grad_witness(grad))
+            witness = kept_output_grad(grad) if self._keep else output_grad_witness(grad)
+            if witness is grad:  # (kept: a later in-place change of it is seen by its version)
+                self._kept.append((grad, tensor_version(grad)))
+            self._out_grads.append(witness)
 
     def _end_of_backward(self) -> None:
         """The first end-of-backward callback, queued as the backward reached the model's
@@ -327,6 +338,7 @@ class Watcher:
         if before is not None and before == grad_state(self._params):
             self._queued = False
             del self._out_grads[self._out_grads_mark :]
+            del self._kept[self._kept_mark :]
             return
         if self.ddp is None:  # nothing of DDP's to wait for: the check now
             self.after_backward()
@@ -399,6 +411,10 @@ class Watcher:
         self._fwd_host.clear()
         self._fwd_device = False
         self._out_grads.clear()
+        self._kept.clear()
+        for handle in self._leaf_hooks:
+            handle.remove()
+        self._leaf_hooks.clear()
         self._order.clear()
         self._early = None
         self._holding = False

@@ -50,21 +50,24 @@ def on_gradient(
     t: torch.Tensor,
     seen: Callable[[torch.Tensor | None], None],
     seen_first: Callable[[tuple[torch.Tensor | None, ...]], None],
-) -> None:
+) -> Any:
     """Have ``seen`` get the gradient flowing into ``t`` as the backward reaches it: a
     pre-hook on the autograd node that made ``t`` (less than half of what
     ``Tensor.register_hook`` costs, which builds a Python hook dictionary and handle on
     every step's output) — ``seen_first``, given the node's gradients, where ``t`` is its
     node's first output (the usual case: no closure made), else ``seen`` with ``t``'s own
     picked among them; a tensor hook where ``t`` has no node (a leaf) or the node takes no
-    pre-hooks."""
+    pre-hooks. Returns that tensor hook's handle (None for a node's pre-hook, which goes with
+    the step's graph): a leaf — a parameter the model returns — outlives the step, and its
+    hooks would pile up, one a forward, unless the caller removes them."""
     prehook = getattr(t.grad_fn, "register_prehook", None)
     if prehook is None:
-        t.register_hook(seen)
-    elif (index := t.output_nr) == 0:
+        return t.register_hook(seen)
+    if (index := t.output_nr) == 0:
         prehook(seen_first)
     else:
         prehook(lambda grads: seen(grads[index] if index < len(grads) else None))
+    return None
 
 
 def user_stacklevel() -> int:

@@ -16,8 +16,12 @@ from gpudiag.runtime.stats import nonfinite_count, stored
 
 def tensor_version(t: torch.Tensor) -> int:
     """A tensor's in-place version counter (``Tensor._version``, what autograd checks saved
-    tensors against), guarded: -1 where a torch has none, so nothing counts as changed."""
-    return int(getattr(t, "_version", -1))
+    tensors against), guarded: -1 where a torch has none or the tensor keeps none (an
+    inference-mode tensor, whose ``_version`` raises), so nothing counts as changed."""
+    try:
+        return int(getattr(t, "_version", -1))
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return -1
 
 
 @functools.cache
@@ -88,7 +92,7 @@ def grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack(
                 [n.reshape(()) for n in torch._foreach_norm([stored(t) for t in tensors])]
             ).float()
-        return output_witness(tensors)
+        return output_witness(tensors).reshape(-1)  # (a vector for one gradient too)
 
 
 #: The most gradient values :func:`step_clean`'s one pass is used for (16 MiB in float32,
@@ -139,9 +143,11 @@ def all_finite(tensors: list[torch.Tensor]) -> bool | None:
     in one pass over all of them and one read; None where it cannot tell. The pass is
     ``torch._amp_foreach_non_finite_check_and_unscale_``, what ``GradScaler.unscale_`` runs
     (torch internals, guarded: None on a torch without it, or for tensors it refuses — complex,
-    sparse, an expanded tensor, several devices): each element checked with ``isfinite``,
-    then written back multiplied by the inverse scale, here 1 — the values unchanged (a
-    bfloat16 NaN's payload aside), no in-place version counted. On one CPU thread it takes
+    sparse, an expanded tensor, several devices, a tensor subclass that raises whatever it
+    raises): each element checked with ``isfinite``, then written back multiplied by the
+    inverse scale, here 1 — the values unchanged (a half-precision NaN's bits aside, on a
+    faulty step only: bfloat16's become the one quiet NaN, sign dropped; float16's
+    signalling ones quiet), no in-place version counted. On one CPU thread it takes
     resnet18's 62 gradients as fast as their sums, and a small transformer's 29 in about
     two thirds of the time of the sums' ops (docs/watch.md)."""
     if not tensors:
@@ -151,7 +157,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool | None:
     found = torch.zeros(1)
     try:
         _NON_FINITE_CHECK(tensors, found, _unit_scale())
-    except (TypeError, RuntimeError):  # (NotImplementedError for complex and sparse tensors too)
+    except Exception:  # (RuntimeError for complex, sparse, expanded; a tensor subclass's own, any)
         return None
     return not found.item()
 
@@ -173,13 +179,17 @@ KEPT_OUTPUT_GRAD = 1 << 20
 
 def kept_output_grad(grad: torch.Tensor) -> torch.Tensor:
     """The witness of a gradient flowing into a model output where the step is judged by
-    :func:`step_clean`'s one pass: a small real CPU gradient is its own witness (read in
-    that pass, exactly: no sum, no read of its own); else :func:`output_grad_witness`."""
+    :func:`step_clean`'s one pass: a small real contiguous CPU gradient is its own witness
+    (read in that pass, exactly: no sum, no read of its own); else
+    :func:`output_grad_witness` — an expanded one too (``out.sum()``'s gradient, one value
+    seen through strides of 0), which the pass refuses: kept, it would send every step the
+    exact way."""
     if (
         grad.is_cpu
         and grad.is_floating_point()
         and not grad.requires_grad
         and grad.numel() <= KEPT_OUTPUT_GRAD
+        and grad.is_contiguous()
     ):
         return grad
     return output_grad_witness(grad)

@@ -1024,3 +1024,25 @@ def test_ddp_callbacks_in_another_order_fall_back_to_a_hook_per_gradient(
             2,
             "backward",
         )
+
+
+@pytest.mark.parametrize("path", GRAD_PATHS)
+def test_ddp_a_model_of_one_parameter_is_watched(path: str) -> None:
+    """One gradient: its witness a vector of one value (a 0-d one made ``zip(..., witness.tolist())``
+    a TypeError out of every backward), and a NaN loss on one rank named on both."""
+
+    def rank_fn(rank: int, world: int) -> bytes:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4, bias=False)
+        ddp = _ddp_model(lin, path)
+        watcher = _ddp_watch(ddp, path, "record", record_dir=False)
+        for step in range(3):
+            scale = math.nan if step == 2 and rank == 1 else 1.0  # a NaN loss on rank 1
+            (ddp(torch.randn(3, 4)) * scale).pow(2).mean().backward()
+            lin.zero_grad()
+        assert watcher.report is not None
+        return json.dumps(watcher.report.to_json()).encode()
+
+    for raw in launch(rank_fn, 2, timeout=120, method="fork"):
+        report = json.loads(bytes(raw))
+        assert (report["rank"], report["step"], report["phase"]) == (1, 2, "backward")

@@ -386,3 +386,144 @@ def test_a_large_model_is_read_by_sums_not_the_one_pass(monkeypatch: pytest.Monk
         assert watcher._one_pass is False and report is not None
         assert (report.step, report.phase, report.module) == (2, "backward", "1")
     assert reads == [] and len(exact) == 6
+
+
+def test_a_model_of_one_parameter_is_read_the_exact_way_without_failing() -> None:
+    """One gradient: its witness is a vector of one value, not a 0-d tensor whose
+    ``tolist()`` is a float (``sum(float)``: a TypeError out of the user's backward, on every
+    step whose loss was ``out.sum()`` and on any non-finite step)."""
+    assert wt.grad_witness([torch.ones(3)]).shape == (1,)
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, bias=False)
+    with gpudiag.watch(lin, "record", record_dir=False) as watcher:
+        for step in range(3):
+            out = lin(torch.randn(3, 4))
+            (out.sum() if step < 2 else (out * math.nan).pow(2).mean()).backward()
+    report = watcher.report
+    assert report is not None and (report.step, report.module) == (2, "<loss>")
+
+
+def test_an_expanded_loss_gradient_is_witnessed_at_once_and_the_step_read_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``out.sum()``'s gradient into the output is one value expanded (strides of 0), which
+    the one pass refuses: kept, it sent every clean step the exact way."""
+    reads, exact = spy_on_reads(monkeypatch)
+    assert kept_output_grad(torch.ones(1).expand(4, 3)).dim() == 0
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with gpudiag.watch(net, "raise", record_dir=False) as watcher:
+        for _ in range(3):
+            net(torch.randn(3, 4)).sum().backward()
+    assert watcher.report is None and reads == [True] * 3 and exact == []
+
+
+class RefusesThePass(torch.Tensor):
+    """A tensor subclass whose ``__torch_function__`` raises its own kind of error for an
+    op it does not support (here GradScaler's pass)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "non_finite_check" in getattr(func, "__name__", ""):
+            raise AssertionError(f"{func.__name__} is not supported")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_subclass_that_refuses_the_pass_goes_the_exact_way() -> None:
+    """Whatever the subclass raises, the check says "cannot tell" (None), not an exception
+    out of the user's ``loss.backward()``."""
+    assert all_finite([torch.ones(3).as_subclass(RefusesThePass)]) is None
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    with gpudiag.watch(lin, "raise", record_dir=False) as watcher:
+        for _ in range(2):
+            lin(torch.randn(3, 4)).pow(2).mean().backward()
+            lin.weight.grad = lin.weight.grad.as_subclass(RefusesThePass)  # type: ignore[union-attr]
+    assert watcher.report is None and watcher.step == 2
+
+
+class WritesItsGradient(torch.autograd.Function):
+    """The identity whose backward changes its ``grad_output`` in place: multiplied by
+    ``scale`` (an overflow of the backward's own), or cleaned of NaN/Inf (``nan_to_num_``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float | None) -> torch.Tensor:
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad.nan_to_num_(0.0, 0.0, 0.0) if ctx.scale is None else grad.mul_(ctx.scale)), None
+
+
+class Writes(nn.Module):
+    def __init__(self, scale: float | None) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 4), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return WritesItsGradient.apply(self.lin(x), self.scale)
+
+
+def test_a_loss_gradient_changed_in_place_later_in_the_backward_is_not_read_as_it_was() -> None:
+    """A kept loss gradient that the model's own backward overwrote no longer says what the
+    loss sent: read as it was, an overflow of the backward's own (finite loss) was named
+    ``<loss>``, and a NaN loss the backward cleaned away was missed on every step. Now the
+    overflow is named at the gradient it made, and once a kept gradient was seen changed the
+    loss gradients are witnessed as they arrive, so the NaN loss of a later step is named."""
+    torch.manual_seed(0)
+    net = Writes(1e38)
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        (net(torch.randn(3, 4)) * 1e3).sum().backward()
+    report = watcher.report
+    assert report is not None and (report.step, report.module) == (0, "lin")
+    net = Writes(None)
+    with gpudiag.watch(net, "record", record_dir=False) as watcher:
+        for step in range(3):
+            out = net(torch.randn(3, 4))
+            (out * (math.nan if step == 2 else 1.0)).pow(2).mean().backward()
+        assert not watcher._keep
+    report = watcher.report
+    assert report is not None and (report.step, report.module, report.phase) == (2, "<loss>", "backward")
+
+
+def test_an_inference_mode_gradient_given_to_backward_is_kept_without_failing() -> None:
+    """An inference tensor keeps no version counter (``_version`` raises): given as the
+    gradient of the model's output, it is still checked."""
+    with torch.inference_mode():
+        grad = torch.ones(3, 4)
+    assert wt.tensor_version(grad) == -1
+    lin = nn.Linear(4, 4)
+    with gpudiag.watch(lin, "raise", record_dir=False) as watcher:
+        lin(torch.randn(3, 4)).backward(grad)
+    assert watcher.report is None and watcher.step == 1
+
+
+class ReturnsItsParameter(nn.Module):
+    """A model whose output is its own parameter (a leaf: no autograd node to pre-hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.ones(4))
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        return self.table
+
+
+def test_the_hook_on_an_output_that_is_a_leaf_is_removed_with_its_step() -> None:
+    """The gradient into a leaf output is seen through a tensor hook, which lives on the
+    parameter past the step: one was added every forward and never removed (hooks piling
+    up, each step slower, still there after close()). Now one at most, none after close(),
+    and a NaN loss still named."""
+    net = ReturnsItsParameter()
+    watcher = gpudiag.watch(net, "record", record_dir=False)
+    for step in range(5):
+        (net(torch.ones(1)) * (math.nan if step == 4 else 1.0)).sum().backward()
+        assert len(net.table._backward_hooks or {}) == 0
+    net(torch.ones(1))  # a forward whose backward never comes
+    net(torch.ones(1))
+    assert len(net.table._backward_hooks or {}) <= 2
+    watcher.close()
+    assert len(net.table._backward_hooks or {}) == 0
+    report = watcher.report
+    assert report is not None and (report.step, report.module) == (4, "<loss>")
