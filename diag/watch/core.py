@@ -57,7 +57,6 @@ from gpudiag.watch.unwrap import unwrap
 from gpudiag.watch.witness import (
     float_tensors,
     grad_state,
-    kept_output_grad,
     one_pass_fits,
     output_grad_witness,
     output_witness,
@@ -177,18 +176,13 @@ class Watcher:
         self._outputs: list[tuple[torch.Tensor, Any, str]] = []  # (witness, output, name) per root forward
         self._out_grads: list[torch.Tensor] = []
         self._leaf_hooks: list[Any] = []  # this step's hooks on outputs that are leaves
-        #: (gradient, its in-place version) of each loss gradient kept as its own witness
-        #: (:func:`gpudiag.watch.witness.kept_output_grad`), checked unchanged at the end
-        self._kept: list[tuple[torch.Tensor, int]] = []
-        #: loss gradients are kept (CPU, no DDP) until one was seen changed in place
-        self._keep = self.ddp is None
         self._awaiting = False  # a forward whose outputs need gradients ran; no backward yet
         self._eval = False  # the model's current forward runs in eval mode
         self._only_eval = True  # everything kept since the last step came from eval-mode forwards
         self._forwards = 0  # forwards of the model since the last check
         self._queued = False
         self._grads_before: tuple[Any, ...] | None = None  # the gradients as this backward began
-        self._out_grads_mark = self._kept_mark = 0
+        self._out_grads_mark = 0
         self._synced = False
         self._dirty = False
         self._bad_params: list[tuple[int, str, int, int]] = []  # (bucket order, name, bad, numel)
@@ -314,15 +308,12 @@ class Watcher:
             self._queued, self._dirty = True, True
             # grad mode inside a backward is its create_graph: a gradient penalty's autograd.grad
             self._grads_before = grad_state(self._params) if torch.is_grad_enabled() else None
-            self._out_grads_mark, self._kept_mark = len(self._out_grads), len(self._kept)
+            self._out_grads_mark = len(self._out_grads)
             # Runs once the backward is over; it queues the check behind DDP's own
             # end-of-backward work (queued later), so the all-reduced gradients are in place.
             self._queue(self._end_of_backward)
         if grad is not None:  # None: an output the loss does not use (DDP's unused-parameter search)
-            witness = kept_output_grad(grad) if self._keep else output_grad_witness(grad)
-            if witness is grad:  # (kept: a later in-place change of it is seen by its version)
-                self._kept.append((grad, tensor_version(grad)))
-            self._out_grads.append(witness)
+            self._out_grads.append(output_grad_witness(grad))
 
     def _end_of_backward(self) -> None:
         """The first end-of-backward callback, queued as the backward reached the model's
@@ -338,7 +329,6 @@ class Watcher:
         if before is not None and before == grad_state(self._params):
             self._queued = False
             del self._out_grads[self._out_grads_mark :]
-            del self._kept[self._kept_mark :]
             return
         if self.ddp is None:  # nothing of DDP's to wait for: the check now
             self.after_backward()
@@ -411,7 +401,6 @@ class Watcher:
         self._fwd_host.clear()
         self._fwd_device = False
         self._out_grads.clear()
-        self._kept.clear()
         for handle in self._leaf_hooks:
             handle.remove()
         self._leaf_hooks.clear()

@@ -21,17 +21,13 @@ from gpudiag.watch.witness import (
     grad_witness,
     has_nan,
     one_pass_fits,
-    output_grad_witness,
     step_clean,
-    tensor_version,
 )
 
 
 def check_local(watcher: Any) -> Local | None:
     """Single device, DataParallel, or a DDP ``no_sync`` micro-step: this process's
     values only, one read-back; what went non-finite first, or None."""
-    if watcher._kept:
-        drop_changed_kept(watcher)
     if not watcher._fwd_device and watcher._one_pass is None:  # (lazy parameters: sized at last)
         watcher._one_pass = one_pass_fits(watcher._all_params)
     if (  # the usual CPU step of a model that is not large: one pass (step_clean), then done
@@ -50,15 +46,14 @@ def check_local(watcher: Any) -> Local | None:
     if not watcher._fwd_device and not any(g.is_cuda for g in watcher._out_grads[:1] + grads[:1]):
         # The CPU, the exact way: the forward was read as it ended; a value per gradient.
         fwd = watcher._fwd_host
-        out_grads = [float(output_grad_witness(g)) for g in watcher._out_grads]
+        out_grads = [float(g) for g in watcher._out_grads]  # (each exact: output_grad_witness)
         values = grad_witness(grads).tolist()
         if math.isfinite(sum(values) + sum(out_grads) + sum(fwd)):
             return None  # (a sum that overflowed on finite values goes on: counted below)
     else:
         outs = [w.reshape(-1) for w, _, _ in watcher._outputs]
         witness = grad_witness(grads)
-        out_witnesses = [g if g.dim() == 0 else output_grad_witness(g) for g in watcher._out_grads]
-        parts = [*outs, *(g.reshape(-1) for g in out_witnesses)]
+        parts = [*outs, *(g.reshape(-1) for g in watcher._out_grads)]
         device = parts[0].device if parts else witness.device
         flat = torch.cat([*(t.to(device) for t in parts), witness.to(device)]).tolist()
         n_out = sum(o.numel() for o in outs)
@@ -67,21 +62,6 @@ def check_local(watcher: Any) -> Local | None:
     suspects = [p for p, v in zip(params, values, strict=True) if not math.isfinite(v)]
     bad_grads = [(p, c) for p in suspects if p.grad is not None and (c := nonfinite_count(p.grad))]
     return diagnose(watcher, fwd, out_grads, bad_grads)
-
-
-def drop_changed_kept(watcher: Any) -> None:
-    """Leave out of this step's check a kept loss gradient that something changed in place
-    later in the backward (a custom ``autograd.Function`` whose backward writes its
-    ``grad_output``, ``grad.nan_to_num_()``; a hook doing so against torch's advice): it no
-    longer holds what flowed into the output — read as it is, it would name ``<loss>`` for
-    the backward's own overflow, or miss the non-finite loss it held. The parameters'
-    gradients are judged as ever; from then on this watcher witnesses each loss gradient as
-    it arrives (:func:`gpudiag.watch.witness.output_grad_witness`), as it does under DDP."""
-    changed = [g for g, version in watcher._kept if tensor_version(g) != version]
-    watcher._kept.clear()
-    if changed:
-        watcher._keep = False
-        watcher._out_grads[:] = [g for g in watcher._out_grads if all(g is not c for c in changed)]
 
 
 def diagnose(

@@ -171,38 +171,13 @@ def output_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([sum32(t) for t in tensors])
 
 
-#: On the CPU outside DDP, a gradient into a model output of at most this many elements
-#: (4 MiB in float32) is kept to the end of the backward as its own witness
-#: (:func:`kept_output_grad`); a larger one is witnessed at once, not held.
-KEPT_OUTPUT_GRAD = 1 << 20
-
-
-def kept_output_grad(grad: torch.Tensor) -> torch.Tensor:
-    """The witness of a gradient flowing into a model output where the step is judged by
-    :func:`step_clean`'s one pass: a small real contiguous CPU gradient is its own witness
-    (read in that pass, exactly: no sum, no read of its own); else
-    :func:`output_grad_witness` — an expanded one too (``out.sum()``'s gradient, one value
-    seen through strides of 0), which the pass refuses: kept, it would send every step the
-    exact way."""
-    if (
-        grad.is_cpu
-        and grad.is_floating_point()
-        and not grad.requires_grad
-        and grad.numel() <= KEPT_OUTPUT_GRAD
-        and grad.is_contiguous()
-    ):
-        return grad
-    return output_grad_witness(grad)
-
-
 def output_grad_witness(grad: torch.Tensor) -> torch.Tensor:
     """A 0-dimensional witness of the gradient flowing into a model output, non-finite
     exactly when one of its elements is — a float32 sum alone overflows on huge finite
     values, which would name a finite loss non-finite. On the CPU its sum, read at once (no
     sync there) and, only where that is not finite, replaced by the exact verdict; on an
     accelerator its largest magnitude (``torch.linalg.vector_norm(ord=inf)``: one
-    reduction, which no finite value overflows, read with the step's other values). A
-    witness of a witness (:func:`kept_output_grad`'s) is exact too."""
+    reduction, which no finite value overflows, read with the step's other values)."""
     if grad.requires_grad:  # (a create_graph backward's gradient)
         grad = grad.detach()
     if not grad.is_cpu:
