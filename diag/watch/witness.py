@@ -104,10 +104,12 @@ ONE_PASS_LIMIT = 1 << 22
 
 def one_pass_fits(params: list[torch.Tensor]) -> bool | None:
     """Whether a model's gradients are few enough for :func:`step_clean`'s one pass
-    (:data:`ONE_PASS_LIMIT`); None while a lazy module's parameters have no size yet."""
+    (:data:`ONE_PASS_LIMIT`): its trainable parameters' values, as ``watch()`` finds them
+    (a frozen backbone under small adapters has no gradients to read); None while a lazy
+    module's parameters have no size yet."""
     if any(nn.parameter.is_lazy(p) for p in params):
         return None
-    return sum(p.numel() for p in params) <= ONE_PASS_LIMIT
+    return sum(p.numel() for p in params if p.requires_grad) <= ONE_PASS_LIMIT
 
 
 def step_clean(params: list[torch.Tensor], out_grads: list[torch.Tensor]) -> bool | None:

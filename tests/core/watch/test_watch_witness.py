@@ -340,6 +340,8 @@ def test_a_large_model_is_read_by_sums_not_the_one_pass(monkeypatch: pytest.Monk
     assert wt.one_pass_fits([nn.parameter.UninitializedParameter()]) is None
     monkeypatch.setattr(wt, "ONE_PASS_LIMIT", 50)
     assert wt.one_pass_fits([nn.Parameter(torch.zeros(51))]) is False
+    frozen = nn.Parameter(torch.zeros(1000), requires_grad=False)  # a frozen backbone: no gradients
+    assert wt.one_pass_fits([frozen, nn.Parameter(torch.zeros(8))]) is True
     reads, exact = spy_on_reads(monkeypatch)
     torch.manual_seed(0)
     for net in (
