@@ -95,8 +95,8 @@ def grad_witness(tensors: list[torch.Tensor]) -> torch.Tensor:
         return output_witness(tensors).reshape(-1)  # (a vector for one gradient too)
 
 
-#: The most gradient values :func:`step_clean`'s one pass is used for (16 MiB in float32,
-#: about what a processor's caches hold): the pass writes every value back, which past the
+#: The most trainable values :func:`step_clean`'s one pass is used for (16 MiB of float32
+#: gradients, about what a processor's caches hold): the pass writes every value back, which past the
 #: caches costs memory traffic, while a model that large no longer shows per-op costs — its
 #: steps are read by a sum per gradient (the exact way).
 ONE_PASS_LIMIT = 1 << 22
