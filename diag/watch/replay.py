@@ -211,7 +211,7 @@ def capture(
     (``batch.pop("labels")``) leaves the replay the batch it was given."""
     rng, host, probe = draws.begin()
     autocast: Sequence[AutocastState]
-    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+    if _ANY_AUTOCAST is not None and _ANY_AUTOCAST_COVERS.issuperset(devices) and not _ANY_AUTOCAST():
         autocast = autocast_off(devices)
     else:
         autocast = [autocast_state(d) for d in devices]
@@ -221,6 +221,9 @@ def capture(
 #: Whether autocast is on for any device type (torch internals, guarded: None where a torch
 #: has none, and each device type is asked): one call, where asking each type costs 5 µs.
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+#: The device types that call answers for on every torch that has it (not MPS: autocast on
+#: there alone reads as off, torch 2.14); a forward on any other is asked per device type.
+_ANY_AUTOCAST_COVERS = frozenset(("cpu", "cuda"))
 
 
 @functools.cache

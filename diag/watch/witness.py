@@ -137,7 +137,7 @@ _NON_FINITE_CHECK = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
 @functools.cache
 def _unit_scale() -> torch.Tensor:
     """The inverse scale :func:`all_finite` passes (1: every value written back as it was)."""
-    return torch.ones(1)
+    return torch.ones(1, dtype=torch.float32, device="cpu")
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool | None:
@@ -156,7 +156,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool | None:
         return True
     if _NON_FINITE_CHECK is None:
         return None
-    found = torch.zeros(1)
+    found = torch.zeros(1, dtype=torch.float32, device="cpu")  # (the pass takes float32 alone)
     try:
         _NON_FINITE_CHECK(tensors, found, _unit_scale())
     except Exception:  # (RuntimeError for complex, sparse, expanded; a tensor subclass's own, any)

@@ -218,3 +218,15 @@ def test_a_grad_scaler_skip_is_not_replayed() -> None:
     (trail, _), (replayed, calls) = scaler_run("trail"), scaler_run("replay")
     assert calls == 4 and replayed == trail
     assert [e[:3] for e in replayed] == [("scaler-skip", 1, "body.2.lin"), ("scaler-skip", 2, "body.2.lin")]
+
+
+def test_autocast_on_a_device_type_the_one_call_misses_is_captured() -> None:
+    """``torch._C._is_any_autocast_enabled`` reads MPS's autocast as off: a forward on MPS
+    under ``torch.autocast("mps")`` alone is still captured (and replayed) under it, the
+    state asked per device type (no MPS device is needed to set it)."""
+    torch.set_autocast_enabled("mps", True)
+    try:
+        c = capture((torch.ones(1),), {}, ("cpu", "mps"), Draws([]))
+    finally:
+        torch.set_autocast_enabled("mps", False)
+    assert list(c.autocast) == [("cpu", False, None), ("mps", True, torch.get_autocast_dtype("mps"))]

@@ -500,3 +500,17 @@ def test_the_hook_on_an_output_that_is_a_leaf_is_removed_with_its_step() -> None
     assert len(net.table._backward_hooks or {}) == 0
     report = watcher.report
     assert report is not None and (report.step, report.module) == (4, "<loss>")
+
+
+def test_the_pass_runs_under_another_default_dtype() -> None:
+    """``torch.set_default_dtype(torch.float64)`` (scientific code): the pass's float32
+    arguments are made float32 explicitly (made in the default dtype, the pass refused them
+    and every step went the exact way)."""
+    wt._unit_scale.cache_clear()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert all_finite([torch.ones(3), torch.ones(2, dtype=torch.float32)]) is True
+        assert all_finite([torch.tensor([1.0, math.nan])]) is False
+    finally:
+        torch.set_default_dtype(torch.float32)
+        wt._unit_scale.cache_clear()
