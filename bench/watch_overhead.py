@@ -26,7 +26,8 @@ Each process holds models of the same weights (``--kinds``; by default ``plain``
 ``watched``, for DDP also ``--kinds plain,hooked,watched,watched-bucket``), stepped
 round-robin (the order rotates every step) so all see the same machine load; in one
 process two of each kind, made in the order plain, watched, watched, plain (two models
-made one after the other differ by up to 1 % in speed, by where they lie in memory):
+made one after the other differ by up to 1 % in speed, by where they lie in memory; the
+DDP ranks still make one of each kind, in ``--kinds`` order):
 
 - ``plain``: the model as users run it (DDP without a comm hook: the reducer's C++
   all-reduce) — the baseline;

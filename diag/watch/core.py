@@ -12,7 +12,8 @@ Cost model (a clean step; docs/watch.md has the figures):
 - gradients: under DDP each rank's own gradients are witnessed in one pass at the end of
   the backward, before DDP's finalize copies the all-reduced buckets over them (or as
   :func:`gpudiag.watch.ddp.attach` chose), and what came back after it; elsewhere one pass
-  (on the CPU in one op: :func:`gpudiag.watch.witness.step_clean`);
+  (on the CPU in one op, for a model of at most 2^22 trainable values:
+  :func:`gpudiag.watch.witness.step_clean`; a sum per gradient beyond);
 - at the end of each backward every witness is read back with **one** host sync; under
   DDP a word per rank (the first step its own values went non-finite, and the first it
   received non-finite from the all-reduce) is all-reduced (MIN) on the way.

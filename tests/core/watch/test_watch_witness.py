@@ -362,7 +362,7 @@ def test_a_large_model_is_read_by_sums_not_the_one_pass(monkeypatch: pytest.Monk
     assert reads == [] and len(exact) == 6
 
 
-def test_a_model_of_one_parameter_is_read_the_exact_way_without_failing() -> None:
+def test_a_model_of_one_parameter_is_watched_without_failing() -> None:
     """One gradient: its witness is a vector of one value, not a 0-d tensor whose
     ``tolist()`` is a float (``sum(float)``: a TypeError out of the user's backward, on every
     step whose loss was ``out.sum()`` and on any non-finite step)."""
@@ -486,8 +486,8 @@ class ReturnsItsParameter(nn.Module):
 def test_the_hook_on_an_output_that_is_a_leaf_is_removed_with_its_step() -> None:
     """The gradient into a leaf output is seen through a tensor hook, which lives on the
     parameter past the step: one was added every forward and never removed (hooks piling
-    up, each step slower, still there after close()). Now one at most, none after close(),
-    and a NaN loss still named."""
+    up, each step slower, still there after close()). Now only those of forwards awaiting
+    their backward, none after close(), and a NaN loss still named."""
     net = ReturnsItsParameter()
     watcher = gpudiag.watch(net, "record", record_dir=False)
     for step in range(5):
