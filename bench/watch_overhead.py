@@ -76,8 +76,8 @@ MODELS = {
 #: The order the single-process models are made in: (replica, kind). Two models of the same
 #: kind made one after the other step at speeds up to 1 % apart, every run (where each lies
 #: in memory, most likely: in a plain/plain pair the first made was 0.1-1.1 % slower in nine
-#: runs, 2026-11-27), so
-#: each kind is two models in the balanced order plain, watched, watched, plain.
+#: runs, 2026-11-27), so each kind is two models in the balanced order plain, watched,
+#: watched, plain.
 ORDER = ((1, "plain"), (1, "watched"), (2, "watched"), (2, "plain"))
 #: Rounds per model by default: more for short steps, whose single ratios swing more.
 STEPS = {"mlp": 600, "transformer": 300, "resnet18": 60, "ddp-resnet18": 150, "ddp-resnet50": 100}

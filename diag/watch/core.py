@@ -355,7 +355,7 @@ class Watcher:
         self._queued = False
         if self.done or self.closed:
             return
-        befores = own_witnesses(self) if self.ddp is not None else None  # (None: nothing all-reduced)
+        befores = own_witnesses(self)  # (None: nothing all-reduced this backward)
         pre, self._pre, self._synced = self._pre, None, False
         if pre is not None and not finalize_came_after(self, pre):
             pre = PreFinalize([], torch.zeros(0), [])  # what was read came back from the all-reduce

@@ -305,10 +305,7 @@ def held(value: Any) -> Any:
     batch's ``pop``) leaves the copy as it was."""
     if type(value) is torch.Tensor:  # the usual argument, without the walk
         return value
-    if type(value) is tuple and (
-        (len(value) == 1 and type(value[0]) is torch.Tensor)  # the usual args, without a generator
-        or all(type(v) is torch.Tensor for v in value)
-    ):
+    if type(value) is tuple and all(type(v) is torch.Tensor for v in value):  # the usual args
         return value  # (a tuple of tensors: nothing in it to copy)
     try:
         return rebuilt(value, False)
