@@ -1,6 +1,9 @@
 # gpudiag: two commands from a fresh clone.
 #   make demo   gpudiag doctor: every check that applies here, a summary, a report bundle
 #   make test   lint, type checks and the whole test suite
+#   make fuzz   the property tests with new random examples, seed after seed, for FUZZ_MINUTES
+#               (make test runs them derandomised: the same examples every time); a failure
+#               prints its seed, and make fuzz SEED=n runs that seed again
 #   make test-floor  lint, type checks and the whole test suite on the oldest torch/torchvision
 #                  pyproject.toml admits (its floor), in .venv-floor
 #   make gpu-test  on a machine that already has torch and a GPU (no network needed): install
@@ -30,7 +33,12 @@ COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null)
 #: gradcheck'd on CUDA by gpu-test (world size 1: every strategy must agree with single).
 GPU_MODELS := resnet18 resnet50 mobilenet_v3_small convnext_tiny densenet121
 
-.PHONY: demo test test-floor gpu-install gpu-suite gpu-gradcheck gpu-test gpu-bench lint typecheck pytest bench clean
+#: make fuzz: how long to draw, examples per property test per seed, a seed to rerun
+FUZZ_MINUTES  ?= 10
+FUZZ_EXAMPLES ?= 1000
+SEED          ?=
+
+.PHONY: fuzz demo test test-floor gpu-install gpu-suite gpu-gradcheck gpu-test gpu-bench lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +59,17 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+fuzz: $(STAMP)
+	@end=$$(( $$(date +%s) + $(FUZZ_MINUTES) * 60 )); seed="$(SEED)"; \
+	while :; do \
+	  [ -n "$$seed" ] || seed=$$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); \
+	  echo "== make fuzz: seed $$seed, $(FUZZ_EXAMPLES) examples per property"; \
+	  GPUDIAG_HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -p no:cacheprovider \
+	    -m "hypothesis and not slow" --hypothesis-seed=$$seed \
+	    || { echo "make fuzz: a property failed with seed $$seed; rerun it: make fuzz SEED=$$seed"; exit 1; }; \
+	  [ -z "$(SEED)" ] && [ $$(date +%s) -lt $$end ] || break; seed=""; \
+	done
 
 $(FLOOR)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLOOR)

@@ -10,8 +10,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from tests.helpers import NVML
+
+#: The one place property tests choose their examples. ``make test`` runs the ``suite`` profile:
+#: derandomised (the examples follow from each test's source, the same on every run and every
+#: machine) and with no example database, so a fresh clone passes or fails as its last run
+#: did. ``make fuzz`` runs the ``fuzz`` profile: new examples from a seed it prints
+#: (``--hypothesis-seed``), for as long as asked. ``FUZZ_EXAMPLES`` sets how many per test.
+settings.register_profile("suite", derandomize=True, database=None, print_blob=True)
+settings.register_profile("fuzz", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("GPUDIAG_HYPOTHESIS_PROFILE", "suite"))
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from gpudiag.checks.env import collect_env
 from gpudiag.hw.host import Output, Runner
 from gpudiag.redact import MARK, Redactor, is_secret_name
 from gpudiag.render.env_lines import env_lines
-from tests.helpers import NVML, invoke
+from tests.helpers import NVML, fuzz_examples, invoke
 
 HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"
 GHP = "ghp_" + "0123456789abcdefghijABCDEFGHIJ012345"
@@ -354,7 +354,7 @@ _JSON = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=fuzz_examples(150), deadline=None)
 @given(document=_JSON, indent=st.sampled_from([None, 1, 2]))
 @example(document='HF_TOKEN= "', indent=None)  # a JSON file that is one string
 def test_redacted_json_is_still_json(document: object, indent: int | None) -> None:
@@ -443,7 +443,7 @@ _SECRET_FRAGMENTS = st.sampled_from(
 _SECRET_TEXT = st.lists(_SECRET_FRAGMENTS, max_size=10).map("".join)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=fuzz_examples(300), deadline=None)
 @given(text=_SECRET_TEXT, anonymize=st.booleans())
 @example(text="MY_TOKEN=<redacted: set>", anonymize=False)
 @example(text="MY_TOKEN=tok-0123456789 MY_TOKEN: <redacted: set> set>", anonymize=False)

@@ -5,16 +5,15 @@ an internal error, a traceback or a hang. (``replay`` and ``ckpt`` have their ow
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import SEED_MACHINE, TOPO, invoke
+from tests.helpers import SEED_MACHINE, TOPO, fuzz_examples, invoke
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")),
+    max_examples=fuzz_examples(60),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

@@ -34,6 +34,13 @@ SEED_MACHINE = EXAMPLES / "seed_8gpu_machine.json"
 SEED_TOPO = EXAMPLES / "seed_8gpu_topo.txt"
 
 
+def fuzz_examples(default: int) -> int:
+    """How many examples a property test draws: ``default`` in ``make test``; ``FUZZ_EXAMPLES``
+    where set (``make fuzz`` sets it). Which examples is the hypothesis profile's choice
+    (tests/conftest.py)."""
+    return int(os.environ.get("FUZZ_EXAMPLES", default))
+
+
 def capture(name: str) -> str:
     """The text of a capture in ``tests/data/topo`` (copied from ``shared/fixtures/topo``)."""
     return (TOPO / name).read_text(encoding="utf-8")

@@ -18,7 +18,7 @@ from gpudiag.errors import InputError
 from gpudiag.repro.checkpoint import convert, inspect
 from gpudiag.repro.checkpoint.keys import KeyCollision
 from gpudiag.repro.checkpoint.pickles import UnsafeCheckpoint
-from tests.helpers import invoke
+from tests.helpers import fuzz_examples, invoke
 
 #: The wrapped models are built on the CPU here and on a GPU machine alike
 #: (nn.DataParallel moves its module to cuda:0 where CUDA is available).
@@ -338,7 +338,9 @@ def wrapped_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return path.read_bytes()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=fuzz_examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(cut=st.floats(0.0, 0.999))
 def test_truncation_anywhere_is_one_clear_error(tmp_path: Path, wrapped_bytes: bytes, cut: float) -> None:
     bad = tmp_path / f"t{cut}.pt"
@@ -350,7 +352,9 @@ def test_truncation_anywhere_is_one_clear_error(tmp_path: Path, wrapped_bytes: b
     assert not out.exists()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=fuzz_examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(prefix=st.sampled_from(["module.", "_orig_mod.", "model.", "net.encoder."]))
 def test_add_then_strip_is_the_identity_on_keys_and_bytes(tmp_path: Path, prefix: str) -> None:
     sd = small().state_dict()
@@ -464,7 +468,9 @@ def aliased_checkpoints(draw: st.DrawFn) -> tuple[dict, str]:
     return ckpt, prefix
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=fuzz_examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(case=aliased_checkpoints(), legacy=st.booleans(), add=st.sampled_from([None, "net."]))
 def test_shared_tensors_convert_and_load_weights_only(
     tmp_path: Path, case: tuple[dict, str], legacy: bool, add: str | None

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import invoke
+from tests.helpers import fuzz_examples, invoke
 
 pytestmark = pytest.mark.usefixtures("no_gpu")
 
@@ -192,7 +192,11 @@ def hostile_bytes(draw: st.DrawFn, real: dict[str, bytes]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw + draw(st.binary(max_size=64))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=fuzz_examples(150),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_random_files_never_crash_hang_or_change(
     tmp_path: Path, real: dict[str, bytes], data: st.DataObject

@@ -19,7 +19,7 @@ from gpudiag.checks.suite import Here, command_line, plan, run_check
 from gpudiag.repro.bundle import read_bundle
 from gpudiag.repro.scripts import repro_script
 from gpudiag.runtime.launch import launch, rank_logs
-from tests.helpers import NVML, SEED_TOPO, TOPO, invoke
+from tests.helpers import NVML, SEED_TOPO, TOPO, fuzz_examples, invoke
 
 SEED_CAPTURE = str(SEED_TOPO)
 FOUR_GPUS = str(TOPO / "v100_4gpu_nv1_nv2_numa.txt")  # NVLink between some pairs only
@@ -815,7 +815,11 @@ _BUNDLE = st.one_of(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=fuzz_examples(120),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(bundle=_BUNDLE)
 def test_replay_fuzz(
     bundle: tuple[str, bytes | dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -9,13 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpudiag.topology import CaptureError, Topology, parse_capture
-from tests.helpers import TOPO
+from tests.helpers import TOPO, fuzz_examples
 
 CAPTURES = {p.name: p.read_text(encoding="utf-8") for p in sorted(TOPO.glob("*.txt"))}
 VALID_CELL = re.compile(r"X|NV\d+|SYS|SOC|NODE|PHB|PXB|PIX|PSB|CPU")
 VALID_P2P = re.compile(r"X|OK|CNS|GNS|TNS|NS|DR|U")
 SETTINGS = settings(
-    max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", "300")),
+    max_examples=fuzz_examples(300),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

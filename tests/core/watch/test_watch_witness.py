@@ -21,6 +21,7 @@ import gpudiag
 from gpudiag.watch import localize
 from gpudiag.watch import witness as wt
 from gpudiag.watch.witness import all_finite, step_clean
+from tests.helpers import fuzz_examples
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -43,7 +44,7 @@ def read(params: list[nn.Parameter], out_grads: list[torch.Tensor]) -> bool | No
 SHAPES = [(4, 3), (3,), (2, 2, 2), (5,), (1,), (3, 1), (67, 5)]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=fuzz_examples(80), deadline=None)
 @given(
     where=st.integers(0, len(SHAPES) + 1),  # beyond SHAPES: one of the two loss-gradient witnesses
     element=st.integers(0, 400),
