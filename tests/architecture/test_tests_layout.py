@@ -1,11 +1,13 @@
 """The tests mirror the layers (docs/architecture.md, "Tests"): every test module lives in
 the folder of a layer, every test folder is a package (two ``test_x.py`` in different folders
-stay two modules), and a test imports another test module only from its own folder — what
-tests share is in ``tests/helpers``."""
+stay two modules), a test imports another test module only from its own folder — what
+tests share is in ``tests/helpers`` — and no test bounds a wall-clock time by a bare number
+(issue 51: ``tests.helpers.within``, ten times the time measured idle)."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 from tests.helpers import TESTS
@@ -56,6 +58,34 @@ def cross_imports(tests: Path) -> list[str]:
     return found
 
 
+#: Names that hold a measured wall-clock time in the tests.
+TIMED = ("took", "seconds", "elapsed", "monotonic", "perf_counter")
+
+
+def _is_timing(node: ast.expr) -> bool:
+    return any(
+        (isinstance(n, ast.Name) and n.id in TIMED) or (isinstance(n, ast.Attribute) and n.attr in TIMED)
+        for n in ast.walk(node)
+    )
+
+
+def literal_time_bounds(tests: Path) -> list[str]:
+    """``file:line`` of every assert that bounds a measured time by a number literal
+    (``assert took < 3``): a bound is ``within(idle_s=…)``, ten times what was measured idle."""
+    found = []
+    for path in python_files(tests):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Assert):
+                continue
+            for cmp in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+                sides = [cmp.left, *cmp.comparators]
+                for (left, right), op in zip(itertools.pairwise(sides), cmp.ops, strict=True):
+                    upper = isinstance(op, (ast.Lt, ast.LtE)) and _is_timing(left)
+                    if upper and isinstance(right, ast.Constant) and isinstance(right.value, (int, float)):
+                        found.append(f"{path.relative_to(tests.parent)}:{node.lineno}")
+    return found
+
+
 def test_every_test_module_is_in_a_layer_folder() -> None:
     assert misplaced(TESTS) == [], f"move these into tests/{{{','.join(LAYERS)}}}/ (docs/architecture.md)"
 
@@ -80,3 +110,20 @@ def test_the_checks_see_a_flat_layout_and_a_cross_import(tmp_path: Path) -> None
     assert misplaced(tests) == ["test_nvml.py"]
     assert not_packages(tests) == ["tests/core/hw"]
     assert cross_imports(tests) == ["tests/core/hw/test_machine.py -> tests.test_nvml"]
+
+
+def test_no_wall_clock_bound_is_a_bare_number() -> None:
+    assert literal_time_bounds(TESTS) == [], "bound these with tests.helpers.within(idle_s=…)"
+
+
+def test_the_time_bound_check_sees_a_bare_number_and_passes_within(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text(
+        "def test():\n"
+        "    assert took < 3, took\n"
+        "    assert 3 <= time.monotonic() - start < 60\n"
+        "    assert took < within(idle_s=0.3) and seconds >= 1\n"
+        "    assert len(rows) < 3\n"
+    )
+    assert literal_time_bounds(tests) == ["tests/test_a.py:2", "tests/test_a.py:3"]

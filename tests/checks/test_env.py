@@ -15,7 +15,7 @@ from gpudiag.checks.env import collect_env
 from gpudiag.hw.host import Output, Runner
 from gpudiag.redact import MARK, Redactor, is_secret_name
 from gpudiag.render.env_lines import env_lines
-from tests.helpers import NVML, fuzz_examples, invoke
+from tests.helpers import NVML, fuzz_examples, invoke, within
 
 HF = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"
 GHP = "ghp_" + "0123456789abcdefghijABCDEFGHIJ012345"
@@ -174,7 +174,7 @@ def test_a_hanging_tool_is_cut_off_and_reported(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     start = time.monotonic()
     report = collect_env(Runner(timeout=0.3), dict(os.environ), home=str(tmp_path), live_topology=False)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < within(idle_s=1.5)  # (1.4 s at load 7; nvidia-smi sleeps 30 s)
     assert report.sections["versions"]["gpu_models"] is None
     assert "could not collect" in report.missing["versions.gpu_models"]
 

@@ -10,7 +10,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import SEED_MACHINE, TOPO, fuzz_examples, invoke
+from tests.helpers import SEED_MACHINE, TOPO, fuzz_examples, invoke, within
 
 SETTINGS = settings(
     max_examples=fuzz_examples(60),
@@ -47,7 +47,7 @@ def _run(args: list[str]) -> None:
     assert result.exit_code in (0, 1, 2), (result.exit_code, result.output)
     assert "internal error" not in result.output and "Traceback" not in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert took < 5, f"took {took:.1f} s"
+    assert took < within(idle_s=1.0), f"took {took:.1f} s"  # (0.34 s at most at load 7)
 
 
 @SETTINGS

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import within
 from tests.helpers.procfs import session_processes
 
 #: Runs the CLI with one pause point installed (argv: point, marker path, CLI args...).
@@ -171,7 +172,7 @@ def test_a_signal_stops_everything_and_leaves_nothing_behind(case: str, tmp_path
             os.killpg(proc.pid, signum)
         else:
             proc.send_signal(signum)
-        _, err = proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
@@ -181,7 +182,7 @@ def test_a_signal_stops_everything_and_leaves_nothing_behind(case: str, tmp_path
     lines = err.strip().splitlines()  # (report prints its progress on stderr before)
     assert lines[-1] == f"gpudiag: interrupted by {signal.Signals(signum).name}; stopped", err
     assert "Traceback" not in err and sum("gpudiag:" in line for line in lines) == 1, err
-    assert took < 10
+    assert took < within(idle_s=2.0)  # (measured 1.5 s at load 7)
     time.sleep(0.3)  # (a process that was told to go may take a moment to disappear)
     assert session_processes(proc.pid) == [], "processes left behind"
     # (torch itself makes an empty torchinductor_<user> cache folder when an optimizer is

@@ -17,7 +17,7 @@ import torch
 from gpudiag.errors import InputError
 from gpudiag.runtime import DeviceSet, RankFailure, RunConfig, run
 from gpudiag.runtime.launch import launch
-from tests.helpers import ROOT, models
+from tests.helpers import ROOT, models, within
 
 TWO = DeviceSet.virtual(2)
 
@@ -127,7 +127,7 @@ def test_crashed_rank_is_a_finding_with_its_traceback_and_leaves_no_process() ->
     finding = info.value.to_finding()
     assert (finding.code, finding.severity, finding.evidence["rank"]) == ("rank-crashed", "error", 1)
     assert "boom on rank 1" in finding.evidence["detail"]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < within(idle_s=3.0)
     assert children() == []
 
 
@@ -138,7 +138,7 @@ def test_hung_rank_is_a_finding_after_the_timeout_and_leaves_no_process() -> Non
         run(models.Hangs, x, y, RunConfig("ddp", TWO, timeout=3))
     assert info.value.code == "rank-hung"
     assert "3 s" in str(info.value)
-    assert 3 <= time.monotonic() - start < 60  # generous: a loaded CI machine reaps slowly
+    assert 3 <= time.monotonic() - start < within(idle_s=6.0)  # (3.3 s at load 7)
     assert children() == []
 
 

@@ -17,7 +17,7 @@ from gpudiag.repro.sweep.links import first_round, judge_round, next_round
 from gpudiag.repro.sweep.problems import leave_one_out_medians, median
 from gpudiag.repro.sweep.results import NODE_SCHEMA, RESULTS, RULES, RUN, RUN_SCHEMA, results_jsonl
 from gpudiag.repro.sweep.rules import DEFAULT_RULES, check_baseline, check_rules, load_rules
-from tests.helpers import SEED_MACHINE, codes, invoke
+from tests.helpers import SEED_MACHINE, codes, invoke, within
 from tests.helpers.procfs import children
 
 
@@ -476,12 +476,12 @@ def test_quick_budget_is_a_deadline_phases_that_do_not_fit_are_skipped(
     began = time.monotonic()
     result = sweep(options)
     took = time.monotonic() - began
-    assert took < 2.6 + 1.5, took  # (the four checks take longer than the 0.6 s left for them)
     record = result.records[0]
     statuses = {c["name"]: c["status"] for c in record["checks"]}
     assert list(statuses) == ["env", "topology", "peer", "nancheck"]
     assert "skipped" in statuses.values() and "fail" not in statuses.values(), statuses
     assert any("skipped: --quick budget" in n for n in record["notes"]), record["notes"]
+    assert took < within(idle_s=4.1), took  # (against a hang; the budget is the notes above)
     assert result.exit_code == 0 and set(children()) - before == set()
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
     assert "prolog: " in summary and "skipped: --quick budget" in summary
@@ -506,9 +506,9 @@ def test_a_check_still_running_when_the_budget_is_spent_is_stopped_not_failed(
     real_peer = registry.get("peer")
 
     def slow_peer(config: Any, here: Any) -> Any:  # a check that outlasts the budget
-        real_peer.run(config, here)  # (ranks started, compared, reaped)
-        time.sleep(30)
-        raise AssertionError("never reached")
+        result = real_peer.run(config, here)  # (ranks started, compared, reaped)
+        time.sleep(60)  # (stopped here; had it not been, the check would pass after a minute)
+        return result
 
     monkeypatch.setitem(registry._REGISTRY, "peer", dataclasses.replace(real_peer, run=slow_peer))
     here = Here.detect(str(_two_gpu_machine(tmp_path)))
@@ -518,8 +518,8 @@ def test_a_check_still_running_when_the_budget_is_spent_is_stopped_not_failed(
     began = time.monotonic()
     report = _run_checks(here, SweepOptions(quick=True, checks=("peer", "env")), budget, True, notes)
     took = time.monotonic() - began
-    assert took < 3, took
     assert [(c.name, c.status) for c in report.checks] == [("peer", "skipped"), ("env", "skipped")]
+    assert took < within(idle_s=1.7), took  # (against a hang: a check not stopped takes a minute)
     assert notes[0].startswith("check peer stopped after") and "skipped: --quick budget" in notes[0]
     assert "check env skipped: --quick budget" in notes[1]
     assert set(children()) - before == set()
@@ -760,5 +760,6 @@ def test_a_budget_stop_waits_until_an_import_or_a_cleanup_is_over(
     with pytest.raises(BudgetSpent), hard_stop(0.05):
         importlib.import_module("slow_to_import")
         time.sleep(5)
-    assert sys.modules["slow_to_import"].READY and time.monotonic() - began < 1
+    assert sys.modules["slow_to_import"].READY  # (the import finished, then the stop: not inside it)
+    assert time.monotonic() - began < within(idle_s=0.35)  # (against a stop never raised: 5 s)
     monkeypatch.delitem(sys.modules, "slow_to_import")

@@ -16,7 +16,7 @@ import pytest
 
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.run import SweepOptions, SweepRun, sweep
-from tests.helpers import invoke
+from tests.helpers import invoke, within
 from tests.repro.sweep.test_sweep import _every_written_byte, _two_gpu_machine, _write_sweep, node
 
 DEEP = "[" * 200_000 + "]" * 200_000
@@ -343,7 +343,7 @@ def test_when_rank_0_refuses_the_output_every_node_refuses_at_once(tmp_path: Pat
         f.output[-1500:] for f in finished
     ]
     assert "rank 0 refused the output folder" in finished[1].output and "exists" in finished[1].output
-    assert time.monotonic() - start < 45
+    assert time.monotonic() - start < within(idle_s=9.6)  # (against a hang; rehearse stops at 60 s)
     assert (taken / "data.csv").read_text() == "the user's" and len(list(taken.iterdir())) == 1
 
 
@@ -408,14 +408,14 @@ def test_a_signal_is_honoured_within_seconds_even_inside_a_cpp_wait(tmp_path: Pa
         assert [p.name for p in scratch.iterdir() if p.name.startswith("gpudiag-ranks-")]
         sent = time.monotonic()
         proc.send_signal(getattr(signal, "SIG" + sig))
-        _, err = proc.communicate(timeout=25)
+        _, err = proc.communicate(timeout=120)
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 128 + getattr(signal, "SIG" + sig), err
-    assert took < 15, took
+    assert took < within(idle_s=1.5), took  # (measured 0.44 s at load 7; the wait is 120 s)
     assert err.strip().splitlines()[-1] == f"gpudiag: interrupted by SIG{sig}; stopped", err
     assert [p.name for p in scratch.iterdir()] == []
     assert session_processes(proc.pid) == [], "rank processes left behind"
