@@ -1,5 +1,7 @@
 # gpudiag: two commands from a fresh clone.
-#   make demo   gpudiag doctor: every check that applies here, a summary, a report bundle
+#   make demo   gpudiag without the test extras, then two doctors: this machine (every check
+#               that applies here) and the seed machine's capture with its broken link planted
+#               (a real finding: the NVLink pair trains, the PCIe pair goes NaN)
 #   make test   lint, type checks and the whole test suite
 #   make fuzz   the property tests with new random examples, seed after seed, for FUZZ_MINUTES
 #               (make test runs them derandomised: the same examples every time); a failure
@@ -45,8 +47,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/gpudiag doctor --output demo-report --force
+#: make demo installs gpudiag and what it needs to run, not the test extras (make test adds them)
+DEMO_STAMP := $(VENV)/.installed-demo
+
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	touch $@
+
+demo: $(DEMO_STAMP)
+	@echo "== gpudiag doctor   (this machine)"
+	$(BIN)/gpudiag doctor
+	@echo
+	@echo "== the seed machine: its capture, the fault of its PCIe link planted (exit 1: a finding)"
+	$(BIN)/gpudiag doctor --machine diag/examples/seed_8gpu_topo.txt --inject '5->6:nan@3' --pairs 4-5,5-6 \
+	  --checks topology,nancheck \
+	  || [ $$? -eq 1 ]
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

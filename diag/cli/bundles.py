@@ -37,9 +37,9 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     from gpudiag.repro.report import check_destination, run_report, write_bundle
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    bundle = not options.get("no_bundle")
-    if not bundle and options["output"]:
+    if options.get("no_bundle") and options["output"]:
         raise click.UsageError("--no-bundle and --output contradict each other: choose one")
+    bundle = kind == "report" or bool(options["output"])  # (doctor writes one only when asked)
     output = options["output"] or f"gpudiag-report-{stamp}"
     if bundle:
         check_destination(output, options["force"])
@@ -109,15 +109,18 @@ def report(ctx: click.Context, **options: Any) -> None:
 
 @cli.command()
 @suite_options
-@click.option("--no-bundle", is_flag=True, help="Only the summary: write no report bundle.")
+@click.option(
+    "--no-bundle", is_flag=True, hidden=True, help="(The default: doctor writes a bundle only with -o.)"
+)
 @click.pass_context
 def doctor(ctx: click.Context, **options: Any) -> None:
     """Start here: find what this machine has, run every check that applies, summarise.
 
-    Prints a table (check, status, headline finding), says what was skipped and why, and
-    writes a report bundle. Without GPUs it runs what it can (gradcheck on CPU virtual
-    devices and gloo, env, host probes); --machine FILE diagnoses a GPU machine from its
-    capture. Exit 1 when a check fails.
+    Prints a table (check, status, headline finding) and says what was skipped and why;
+    with -o PATH it also writes a report bundle there (as gpudiag report does). Without
+    GPUs it runs what it can (gradcheck on CPU virtual devices and gloo, env, host
+    probes); --machine FILE diagnoses a GPU machine from its capture. Exit 1 when a check
+    fails.
     """
     ctx.exit(_run_suite("doctor", options).exit_code())
 

@@ -161,7 +161,8 @@ def suite_options(command: Any) -> Any:
             "-o",
             "--output",
             metavar="PATH",
-            help="Bundle to write: a folder, or a .zip (default: gpudiag-report-<UTC time> here).",
+            help="Bundle to write: a folder, or a .zip (report's default: gpudiag-report-<UTC time> here; "
+            "doctor writes one only when given -o).",
         ),
         click.option("--force", is_flag=True, help="Replace an existing bundle at PATH."),
         click.option(

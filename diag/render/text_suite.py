@@ -64,6 +64,8 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
             + (", repro.py to reproduce with torch alone" if report.reproducible else "")
             + f"; `gpudiag replay {escape(str(report.bundle_path))}` re-runs it."
         )
+    elif doctor and any(c.status in ("fail", "error") for c in report.checks):
+        out.print("\nFor a bug report: the same with -o bug.zip writes a bundle (REPORT.md, repro.py, logs).")
     if doctor and here.cuda_gpus == 0 and here.machine is None:
         out.print(
             "\nNo GPU here. To diagnose a GPU machine from its capture: run `nvidia-smi topo -m > topo.txt` "

@@ -22,6 +22,14 @@ conv and RNN agree, that switch is set to match *before* them (setting it after 
 them to ``none``). The matmul switch (``torch.backends.cuda.matmul.allow_tf32``,
 ``get_float32_matmul_precision()``) is kept the same way, through
 ``set_float32_matmul_precision`` before the per-backend values.
+
+A torch older than 2.9 has only the legacy interface: there each field is read from, and
+set through, the switch that governs it (:data:`LEGACY_SWITCHES`: ``cuda_matmul`` from
+``torch.backends.cuda.matmul.allow_tf32``, ``cudnn_conv``/``cudnn_rnn`` from
+``torch.backends.cudnn.allow_tf32``: ``tf32`` when on, ``ieee`` when off), and the mkldnn
+fields, which that torch has no switch for, are ``ieee`` (its mkldnn computes fp32 in full
+precision). Reading the new interface's absence as a setting was a false
+``numerics-changed`` on torch 2.6 (issue 52).
 """
 
 from __future__ import annotations
@@ -47,6 +55,49 @@ PRECISION_KNOBS = {
 
 #: What :meth:`Numerics.observe` records for a knob this torch does not have.
 ABSENT = "absent"
+
+#: Where a torch without ``fp32_precision`` (< 2.9) keeps each field: the legacy switch
+#: (``torch.backends.<path>.allow_tf32``), or None for the mkldnn fields, which it cannot set.
+LEGACY_SWITCHES: dict[str, str | None] = {
+    "cuda_matmul": "cuda.matmul",
+    "cudnn_conv": "cudnn",
+    "cudnn_rnn": "cudnn",
+    "mkldnn_matmul": None,
+    "mkldnn_conv": None,
+    "mkldnn_rnn": None,
+}
+
+
+def _legacy_switch(path: str) -> Any:
+    """``torch.backends.<path>`` if it has an ``allow_tf32`` switch, else None."""
+    obj: Any = torch.backends
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj if obj is not None and hasattr(obj, "allow_tf32") else None
+
+
+def _legacy_precision(name: str) -> str:
+    """The ``fp32_precision`` value the legacy interface means for field ``name``: ``tf32``
+    where its ``allow_tf32`` switch is on, ``ieee`` where it is off or where this torch has
+    no switch for it (mkldnn: full fp32), :data:`ABSENT` where the switch is missing."""
+    path = LEGACY_SWITCHES[name]
+    if path is None:
+        return "ieee"
+    switch = _legacy_switch(path)
+    if switch is None:
+        return ABSENT
+    return "tf32" if bool(switch.allow_tf32) else "ieee"
+
+
+def _set_legacy(name: str, value: str) -> None:
+    """Field ``name`` set to ``value`` through the legacy switch (``none``, the backend's
+    default, is TF32 for cuDNN and full fp32 for matmuls); nothing where there is none."""
+    path = LEGACY_SWITCHES[name]
+    switch = _legacy_switch(path) if path is not None else None
+    if switch is None or value == ABSENT:
+        return
+    default_tf32 = path == "cudnn"
+    switch.allow_tf32 = value == "tf32" or (value == "none" and default_tf32)
 
 
 def _backend(path: str) -> Any:
@@ -96,7 +147,7 @@ class Numerics:
         precisions = {}
         for name, path in PRECISION_KNOBS.items():
             backend = _backend(path)
-            precisions[name] = str(backend.fp32_precision) if backend is not None else ABSENT
+            precisions[name] = str(backend.fp32_precision) if backend is not None else _legacy_precision(name)
         if not torch.are_deterministic_algorithms_enabled():
             algorithms = "off"
         elif torch.is_deterministic_algorithms_warn_only_enabled():
@@ -116,7 +167,9 @@ class Numerics:
         self._align_legacy_switches()
         for name, path in PRECISION_KNOBS.items():
             backend, value = _backend(path), getattr(self, name)
-            if backend is not None and value != ABSENT:
+            if backend is None:
+                _set_legacy(name, value)
+            elif value != ABSENT:
                 backend.fp32_precision = value
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         torch.backends.cudnn.deterministic = self.cudnn_deterministic

@@ -166,11 +166,17 @@ def test_a_failed_write_leaves_no_temporary(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_doctor_no_bundle_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_writes_a_bundle_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47: every doctor run left a report folder in the current directory."""
     monkeypatch.chdir(tmp_path)
-    code, output = run("doctor", "--no-bundle", "--checks", "env")
-    assert code == 0 and "env" in output and "Bundle:" not in output
-    assert list(tmp_path.iterdir()) == []
+    for args in ([], ["--no-bundle"]):  # (--no-bundle, the old way to ask for nothing, still taken)
+        code, output = run("doctor", *args, "--checks", "env")
+        assert code == 0 and "env" in output and "Bundle:" not in output
+        assert list(tmp_path.iterdir()) == []
+    code, output = run("doctor", "--checks", "env", "-o", "asked")
+    assert code == 0 and "Bundle: asked" in output and (tmp_path / "asked" / "report.json").is_file()
+    code, output = run("report", "--checks", "env")  # (report's whole job is the bundle)
+    assert code == 0 and [p.name for p in tmp_path.iterdir() if p.name.startswith("gpudiag-report-")]
     code, output = run("doctor", "--no-bundle", "-o", "x")
     assert code == 2 and "contradict" in output
 

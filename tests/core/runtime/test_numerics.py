@@ -134,3 +134,32 @@ def test_a_backend_this_torch_lacks_is_observed_absent_and_skipped(monkeypatch: 
     with Numerics.comparison().applied():
         assert Numerics.observe().mkldnn_rnn == "absent"
     assert Numerics.observe() == seen
+
+
+@pytest.fixture
+def legacy_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This torch seen as one older than 2.9: no ``fp32_precision`` interface, only the legacy
+    ``allow_tf32`` switches (what torch 2.6 to 2.8 have; ``make test-floor`` runs the real one)."""
+    from gpudiag.runtime import numerics
+
+    monkeypatch.setattr(numerics, "_backend", lambda path: None)
+
+
+@pytest.mark.usefixtures("legacy_torch")
+def test_a_torch_without_the_new_interface_is_read_and_set_through_the_legacy_switches() -> None:
+    """Issue 52: on torch 2.6 every precision read ``absent`` and doctor warned
+    ``numerics-changed`` ("cuda matmul ieee → absent") on a healthy run."""
+    before = legacy_flags()
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, True
+        seen = Numerics.observe()
+        assert (seen.cuda_matmul, seen.cudnn_conv, seen.cudnn_rnn) == ("tf32", "tf32", "tf32")
+        assert (seen.mkldnn_matmul, seen.mkldnn_conv, seen.mkldnn_rnn) == ("ieee", "ieee", "ieee")
+        with Numerics.comparison().applied():
+            assert Numerics.observe() == Numerics.comparison()  # (nothing "absent", nothing differs)
+            assert legacy_flags() == (False, False)
+        assert Numerics.observe() == seen and legacy_flags() == (True, True)
+        replace(Numerics.comparison(), cudnn_conv="none", cudnn_rnn="none").apply()
+        assert legacy_flags()[0] is True  # (cuDNN's default: TF32)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
