@@ -54,3 +54,21 @@ def test_the_floor_make_test_floor_runs_on_is_pyprojects() -> None:
         assert pin == ([int(part) for part in floor.split(".")] + [0, 0])[: len(pin)], (
             f"{name}: floor {floor}, make test-floor pins {pinned[name]}"
         )
+
+
+def test_installing_gpudiag_keeps_the_torch_this_environment_has(tmp_path: Any) -> None:
+    """Issue 52: ``pip install .`` replaced a training environment's torch 2.6 with another
+    CUDA build when the floor was 2.11. pip resolves gpudiag into this very environment (the
+    floor torch under ``make test-floor``, what a fresh machine resolves under ``make test``)
+    and would install gpudiag alone: torch, torchvision and the rest are left as they are."""
+    import json
+    import subprocess
+    import sys
+
+    report = tmp_path / "pip-report.json"
+    argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet"]
+    argv += ["--disable-pip-version-check", "--report", str(report), str(ROOT)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    installs = [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]
+    assert installs == ["gpudiag"], installs
