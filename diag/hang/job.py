@@ -108,10 +108,13 @@ def one_job(dumps: list[Dump], world_size: int | None) -> tuple[list[Dump], list
         other = min(conflicts[worst].keys() & alive.keys())
         notes.append(f"{alive[worst].path}: not this job's dump ({conflicts[worst][other]}): left out")
         del alive[worst]
-    if len(alive) * 2 <= len(dumps):
+    listed = (max(r, default=-1) for d in alive.values() for r in d.pg_ranks.values())
+    world = world_size or max(max(alive, default=-1), max(listed, default=-1)) + 1
+    holes = [d for d in dumps if d.rank not in alive and d.rank < world]
+    if len(alive) * 2 <= len(dumps) or holes:
+        why = next((n for n in notes if holes and n.startswith(holes[0].path)), notes[0] if notes else "")
         raise InputError(
-            f"{dumps[0].path} and the others: these dumps cannot be one job ({notes[0] if notes else ''}); "
-            "give one run's dumps"
+            f"these dumps cannot be one job's: {why.removesuffix(': left out')}; give one run's dumps"
         )
     return [alive[r] for r in sorted(alive)], notes
 

@@ -11,15 +11,18 @@ file's name (``nccl_trace_rank_3``, ``fr-3.json``, ``dump.rank3.pkl``), as torch
 analyzer reads it. The recorder is a ring buffer: a dump whose first ``record_id`` is not
 0 has lost its oldest entries (:attr:`Dump.wrapped`).
 
-Dumps come from other machines: a pickle is read by :class:`gpudiag.unpickle.BoundedUnpickler`
-with no global allowed (a dump holds only dicts, lists, tuples, text, numbers), within
+Dumps come from other machines: a pickle is read by :mod:`gpudiag.hang.dumppickle` (only
+dicts, lists, tuples, text, numbers: no global, no call, text keys), within
 :data:`MAX_BYTES`; anything else is one :class:`~gpudiag.errors.InputError` naming the file.
+What a dump shares (torch's pickle repeats one frame by reference) is read once
+(:func:`frames_of`), and every text taken from it is :func:`clean` — control characters and
+lone surrogates escaped, cut — so no output format prints a terminal escape or fails to
+encode a name.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,17 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
-from gpudiag.unpickle import BoundedUnpickler, TooComplex, check_tree, one_line
+from gpudiag.hang import dumppickle
+from gpudiag.unpickle import TooComplex, one_line
 
 #: Largest dump read, in bytes (a 20,000-entry NCCL buffer with frames is about 60 MB).
 MAX_BYTES = 256 * 1024 * 1024
-#: Most objects a walk of one dump visits, a shared object once per reference to it: 20,000
-#: entries of 64 frames each (a frame is a dict of three: 7 objects) and their fields.
-MAX_NODES = 16_000_000
-#: Most text all of one dump's strings may hold, each counted once per reference to it (a
-#: pickle's memo can repeat one 1 MB string 2,000 times in a 2 MB file): what formatting
-#: it would cost. A real dump's text is at most its size.
-MAX_TEXT_BYTES = 512 * 1024 * 1024
+#: Most entries one dump may hold (torch's ring buffer: TORCH_FR_BUFFER_SIZE, 2,000 by default).
+MAX_ENTRIES = 200_000
+#: Frames of one entry kept (the innermost; torch records up to 64 by default).
+MAX_FRAMES = 256
 #: Most files one run reads (a folder of one job's dumps, one per rank).
 MAX_FILES = 100_000
 #: Format versions read: major 2 (torch 2.11 to 2.15 write "2.10"; every 2.x has the fields used).
@@ -141,20 +142,6 @@ class NotADump(InputError):
     folder, skipped with a note; named alone, refused."""
 
 
-class _DumpUnpickler(BoundedUnpickler):
-    """No global at all: a flight-recorder pickle holds only builtin containers and scalars."""
-
-    kind = _KIND
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(
-            f"a global ({one_line(module, 60)}.{one_line(name, 60)}), which no dump holds"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("a persistent id, which no dump holds")
-
-
 def rank_of(path: Path) -> int:
     """The rank a dump file's name ends in (extensions such as ``.pkl`` ignored)."""
     name = path.name
@@ -228,19 +215,9 @@ def tree_of(data: bytes, source: str) -> Any:
                 f"{path}: not a flight-recorder dump (damaged JSON: {one_line(str(exc))})"
             ) from exc
     elif data[:1] == b"\x80":
-        try:
-            tree = _DumpUnpickler(data, source).load()
-        except InputError:
-            raise
-        except RecursionError as exc:
-            raise TooComplex(source, "nested too deep", _KIND) from exc
-        except Exception as exc:
-            raise InputError(
-                f"{path}: the dump's pickle is damaged or unsafe ({type(exc).__name__}: {one_line(str(exc))})"
-            ) from exc
+        tree = dumppickle.loads(data, source, _KIND)
     else:
         raise NotADump(f"{path}: not a flight-recorder dump (neither a pickle nor JSON)")
-    check_tree(tree, source, _KIND, max_text=MAX_TEXT_BYTES, max_nodes=MAX_NODES)
     return tree
 
 
@@ -271,21 +248,37 @@ def _ranks(text: Any) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text[:100_000]) if len(x) <= 7]
 
 
-def frames_of(value: Any) -> tuple[Frame, ...]:
-    """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's)."""
+def frames_of(value: Any, seen: dict[int, Any] | None = None) -> tuple[Frame, ...]:
+    """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's).
+    ``seen`` (id → (object, result)) makes a frame, or a list of frames, that the dump
+    shares between entries (torch's pickle does) cost once: per reference, a small dump
+    could make the work grow as the product of two lists' lengths."""
+    if not isinstance(value, list):
+        return ()
+    seen = {} if seen is None else seen
+    same = ("frames", *map(id, value[:MAX_FRAMES]))  # (another list of the same shared frames)
+    known = seen.get(id(value)) or seen.get(same)  # type: ignore[call-overload]
+    if known is not None and (known[0] is value or known[0] == same):
+        return known[1]  # type: ignore[no-any-return]
     out = []
-    for f in value if isinstance(value, list) else ():
-        if isinstance(f, dict) and isinstance(f.get("filename"), str):
+    for f in value[:MAX_FRAMES]:
+        done = seen.get(id(f))
+        if done is not None and done[0] is f:
+            out.append(done[1])
+        elif isinstance(f, dict) and isinstance(f.get("filename"), str):
             line = f.get("line")
             name = f.get("name")
-            out.append(
-                Frame(
-                    clean(f["filename"]),
-                    line if _small(line) and line >= 0 else 0,
-                    clean(name) if isinstance(name, str) else "?",
-                )
+            frame = Frame(
+                clean(f["filename"]),
+                line if _small(line) and line >= 0 else 0,
+                clean(name) if isinstance(name, str) else "?",
             )
-    return tuple(out)
+            seen[id(f)] = (f, frame)
+            out.append(frame)
+    result = tuple(out)
+    seen[id(value)] = (value, result)
+    seen[same] = (same, result)  # type: ignore[index]
+    return result
 
 
 def _strings(value: Any) -> list[str]:
@@ -311,14 +304,27 @@ def _sizes(value: Any) -> list[Any]:
     """``input_sizes``: a list of shapes (lists of whole numbers); anything else shown as text."""
     out: list[Any] = []
     for shape in value[:1000] if isinstance(value, list) else ():
-        if isinstance(shape, list) and len(shape) <= 64 and all(_small(n) for n in shape):
+        if (
+            type(shape) is list
+            and len(shape) <= 64
+            and all(type(n) is int and -MAX_NUMBER < n < MAX_NUMBER for n in shape)
+        ):
             out.append(list(shape))
         else:
             out.append(_shown(shape))
     return out
 
 
-def _entry(raw: Any, path: Path, index: int) -> Entry:
+def _entry(raw: Any, path: Path, index: int, seen: dict[int, Any]) -> Entry:
+    known = seen.get(id(raw))
+    if known is not None and known[0] is raw:  # (one entry listed again: the same Entry)
+        return known[1]  # type: ignore[no-any-return]
+    entry = _new_entry(raw, path, index, seen)
+    seen[id(raw)] = (raw, entry)
+    return entry
+
+
+def _new_entry(raw: Any, path: Path, index: int, seen: dict[int, Any]) -> Entry:
     where = f"entry {index}"
     if not isinstance(raw, dict):
         raise InputError(f"{path}: {where} is not a record")
@@ -352,7 +358,7 @@ def _entry(raw: Any, path: Path, index: int) -> Entry:
         output_dtypes=_strings(raw.get("output_dtypes")),
         state=state,
         completed=state == "completed" or raw.get("retired") is True,
-        frames=frames_of(raw.get("frames")),
+        frames=frames_of(raw.get("frames"), seen),
         op_id=op_id if _small(op_id) else None,
         backend=name.split(":", 1)[0] if ":" in name else "",
         created_ns=created if _small(created) else None,
@@ -374,7 +380,12 @@ def parse_dump(tree: Any, path: Path, rank: int) -> Dump:
     raw_entries = tree.get("entries", [])  # (absent when the recorder had none)
     if not isinstance(raw_entries, list):
         raise InputError(f"{path}: 'entries' is not a list")
-    entries = [_entry(raw, path, i) for i, raw in enumerate(raw_entries)]
+    if len(raw_entries) > MAX_ENTRIES:
+        raise InputError(
+            f"{path}: {len(raw_entries)} entries, more than a flight recorder keeps ({MAX_ENTRIES})"
+        )
+    seen: dict[int, Any] = {}
+    entries = [_entry(raw, path, i, seen) for i, raw in enumerate(raw_entries)]
     last_completed: dict[int, int] = {}
     status = tree.get("pg_status")
     for key, value in status.items() if isinstance(status, dict) else ():
