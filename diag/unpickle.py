@@ -126,9 +126,9 @@ def check_tree(
 ) -> None:
     """Refuse a tree that is cyclic, nested deeper than MAX_DEPTH, or has more than
     MAX_NODES nodes when walked as a tree; linear in the distinct objects. ``kind`` names
-    the file in the error (``"checkpoint"``); ``max_nodes`` replaces MAX_NODES. With ``max_text``, also one whose strings
-    and bytes, each counted once per reference to it (what printing the tree costs),
-    hold more than ``max_text`` characters."""
+    the file in the error (``"checkpoint"``); ``max_nodes`` replaces MAX_NODES. With
+    ``max_text``, also one whose strings and bytes, each counted once per reference to it
+    (what printing the tree costs), hold more than ``max_text`` characters."""
     done: dict[int, tuple[int, int, int]] = {}  # id -> (tree size, depth, text)
     keep: list[Any] = []  # the objects whose ids are in done stay alive
     active: set[int] = set()

@@ -120,7 +120,8 @@ def root_findings(a: Analysis, root: GroupHang, findings: list[Finding]) -> str:
         if state == ABSENT:
             msg, finding = _never_entered(a, root, rank, in_text, evidence)
         elif root.expected == ABSENT:
-            msg = f"{ranks([rank])} called {state}{_lines(root, [rank])} as {head}, which the others never call."
+            msg = f"{ranks([rank])} called {state}{_lines(root, [rank])} as {head}, "
+            msg += "which the others never call."
             finding = Finding(
                 "hang-extra-collective", "error", msg, {"rank": rank, "group": root.name, "seq": root.seq}
             )

@@ -56,7 +56,10 @@ def resolve(a: Analysis) -> None:
                 if left:
                     h.culprits, h.how = left, "program"
                     steps = "; ".join(f"rank {r}: {theirs[r]}" for r in left if r in theirs)
-                    h.evidence = f"its sequence of collectives left the others' at record {record}: they called {majority}, {steps}"
+                    h.evidence = (
+                        f"its sequence of collectives left the others' at record {record}: "
+                        f"they called {majority}, {steps}"
+                    )
                     edges.pop(h.group, None)
     for h in a.hangs:  # a cycle nobody left: its smallest group is the cause
         if h.group in edges and _root_of(h.group, edges, hung) is None:

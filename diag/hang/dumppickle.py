@@ -78,7 +78,7 @@ def loads(data: bytes, source: str, kind: str = "flight-recorder dump") -> Any:
         ) from None
 
 
-def _loads(data: bytes, source: str, kind: str) -> Any:  # noqa: C901 (one loop, one branch per opcode)
+def _loads(data: bytes, source: str, kind: str) -> Any:  # (one loop, one branch per opcode)
     stack: list[Any] = []
     marks: list[list[Any]] = []
     memo: dict[int, Any] = {}

@@ -49,7 +49,10 @@ def _contradicts(a: Dump, b: Dump) -> str | None:
     done = [e.seq for e in b.entries if e.group == "0" and _symmetric(e) and _completed(b, e)]
     if done and not a.wrapped and max(mine, default=0) < max(done):
         last = f"#{max(mine)}" if mine else "none"
-        return f"its last world collective is {last}, and rank {b.rank} completed #{max(done)}, which needs every rank"
+        return (
+            f"its last world collective is {last}, and rank {b.rank} completed #{max(done)}, "
+            "which needs every rank"
+        )
     times = {(e.group, e.seq): e for e in a.entries if _symmetric(e) and e.created_ns is not None}
     for e in b.entries:
         other = times.get((e.group, e.seq))

@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpudiag.errors import InputError
 from gpudiag.hang import dumppickle
@@ -235,7 +235,7 @@ def _int(value: Any, what: str, path: Path) -> int:
     return number
 
 
-def _small(value: Any) -> bool:
+def _small(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and -MAX_NUMBER < value < MAX_NUMBER
 
 
@@ -248,7 +248,7 @@ def _ranks(text: Any) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text[:100_000]) if len(x) <= 7]
 
 
-def frames_of(value: Any, seen: dict[int, Any] | None = None) -> tuple[Frame, ...]:
+def frames_of(value: Any, seen: dict[Any, Any] | None = None) -> tuple[Frame, ...]:
     """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's).
     ``seen`` (id → (object, result)) makes a frame, or a list of frames, that the dump
     shares between entries (torch's pickle does) cost once: per reference, a small dump
@@ -257,9 +257,9 @@ def frames_of(value: Any, seen: dict[int, Any] | None = None) -> tuple[Frame, ..
         return ()
     seen = {} if seen is None else seen
     same = ("frames", *map(id, value[:MAX_FRAMES]))  # (another list of the same shared frames)
-    known = seen.get(id(value)) or seen.get(same)  # type: ignore[call-overload]
+    known = seen.get(id(value)) or seen.get(same)
     if known is not None and (known[0] is value or known[0] == same):
-        return known[1]  # type: ignore[no-any-return]
+        return known[1]
     out = []
     for f in value[:MAX_FRAMES]:
         done = seen.get(id(f))
@@ -277,7 +277,7 @@ def frames_of(value: Any, seen: dict[int, Any] | None = None) -> tuple[Frame, ..
             out.append(frame)
     result = tuple(out)
     seen[id(value)] = (value, result)
-    seen[same] = (same, result)  # type: ignore[index]
+    seen[same] = (same, result)
     return result
 
 
@@ -315,16 +315,16 @@ def _sizes(value: Any) -> list[Any]:
     return out
 
 
-def _entry(raw: Any, path: Path, index: int, seen: dict[int, Any]) -> Entry:
+def _entry(raw: Any, path: Path, index: int, seen: dict[Any, Any]) -> Entry:
     known = seen.get(id(raw))
     if known is not None and known[0] is raw:  # (one entry listed again: the same Entry)
-        return known[1]  # type: ignore[no-any-return]
+        return known[1]
     entry = _new_entry(raw, path, index, seen)
     seen[id(raw)] = (raw, entry)
     return entry
 
 
-def _new_entry(raw: Any, path: Path, index: int, seen: dict[int, Any]) -> Entry:
+def _new_entry(raw: Any, path: Path, index: int, seen: dict[Any, Any]) -> Entry:
     where = f"entry {index}"
     if not isinstance(raw, dict):
         raise InputError(f"{path}: {where} is not a record")
@@ -384,7 +384,7 @@ def parse_dump(tree: Any, path: Path, rank: int) -> Dump:
         raise InputError(
             f"{path}: {len(raw_entries)} entries, more than a flight recorder keeps ({MAX_ENTRIES})"
         )
-    seen: dict[int, Any] = {}
+    seen: dict[Any, Any] = {}
     entries = [_entry(raw, path, i, seen) for i, raw in enumerate(raw_entries)]
     last_completed: dict[int, int] = {}
     status = tree.get("pg_status")

@@ -185,7 +185,8 @@ def judge(
                     "hang-consequence",
                     "warning",
                     f"{h.label} collective #{h.seq} waits for {_ranks(h.absent())}, blocked in "
-                    f"{', '.join(where_)}: a consequence of {cause.label} collective #{cause.seq}, not the cause",
+                    f"{', '.join(where_)}: a consequence of {cause.label} collective #{cause.seq}, "
+                    "not the cause",
                     {
                         "group": h.name,
                         "members": span(h.members),
