@@ -14,7 +14,8 @@ _TORCH = re.compile(
 _GPUDIAG = re.compile(r"[/\\](site|dist)-packages[/\\]gpudiag[/\\]")
 #: Python's standard library (multiprocessing, threading, runpy): never the caller shown.
 _STDLIB = re.compile(
-    r"[/\\]lib(64)?[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)|[/\\]Lib[/\\](?!site-packages)|^<frozen "
+    r"[/\\]lib(64)?[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)"
+    r"|[/\\]Lib[/\\](?!site-packages)|^<frozen "
 )
 _PACKAGES = re.compile(r"[/\\](site|dist)-packages[/\\]")
 #: This installation's gpudiag folders (diag/, checks/, repro/ in a checkout).

@@ -310,6 +310,8 @@ def _sizes(value: Any) -> list[Any]:
             and all(type(n) is int and -MAX_NUMBER < n < MAX_NUMBER for n in shape)
         ):
             out.append(list(shape))
+        elif isinstance(shape, list):
+            out.append([n if _small(n) else _shown(n) for n in shape[:64]])
         else:
             out.append(_shown(shape))
     return out

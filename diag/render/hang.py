@@ -14,7 +14,8 @@ def _text(result: Any) -> str:
     out.append(header)
     for row in result.rows():
         if row.get("dump") is None:
-            out.append(f"{row['rank']:>4}  (no dump)")
+            first = f"{row['rank']}-{row['through']}" if "through" in row else str(row["rank"])
+            out.append(f"{first:>4}  (no dump)")
         elif "op" not in row:
             out.append(f"{row['rank']:>4}  (no collective recorded)")
         else:
@@ -40,8 +41,9 @@ def _markdown(result: Any) -> str:
     out.append("|---|---|---|---|---|---|")
     for row in result.rows():
         if "op" not in row:
+            first = f"{row['rank']}-{row['through']}" if "through" in row else str(row["rank"])
             out.append(
-                f"| {row['rank']} | (no dump) | | | | |"
+                f"| {first} | (no dump) | | | | |"
                 if row.get("dump") is None
                 else f"| {row['rank']} | | | | | |"
             )
