@@ -4,8 +4,8 @@ up (:func:`root_findings`; :mod:`.result` adds the rest of the verdict)."""
 from __future__ import annotations
 
 from gpudiag.findings import Finding
-from gpudiag.hang.analysis import ABSENT, Analysis, GroupHang, span
 from gpudiag.hang.frames import user_frames, where
+from gpudiag.hang.groups import ABSENT, Analysis, GroupHang, span
 from gpudiag.hang.reader import Entry
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gpudiag.hang.analysis import ABSENT, Analysis, GroupHang, is_rooted
+from gpudiag.hang.groups import ABSENT, Analysis, GroupHang, is_rooted
 from gpudiag.hang.reader import Dump
 
 

@@ -8,7 +8,9 @@ collective of a job it never belonged to). Two dumps cannot be one job when:
 - **one ran past the other**: a symmetric collective (all_reduce, barrier…) completes only
   once every member entered it, so when one dump completed the world's collective N, every
   rank's dump records N (or more) — a dump whose world collectives end before N (and whose
-  buffer did not wrap) is not of this job: a stale dump of an earlier run;
+  buffer did not wrap) is not of this job: a stale dump of an earlier run. (Dumps are
+  taken at one moment — torch's dump on timeout, ``gpudiag run``'s alarm; dumps of a
+  running job taken minutes apart are set apart by this rule too);
 - **their times contradict** (``time_created_ns``): every member enters a collective that
   completed within its timeout of the first (``timeout_ms``; plus :data:`SLACK_NS` for
   collectives queued behind others and for clocks of different hosts), so two dumps whose
@@ -17,9 +19,11 @@ collective of a job it never belonged to). Two dumps cannot be one job when:
   NCCL does; gloo lists only the last group created), or a dump's rank is **beyond the
   world** the others' world group lists.
 
-:func:`one_job` keeps the largest set of dumps without a contradiction and names each one
-left out (a note the verdict shows: ``hang-dump-left-out``); when no strict majority of
-the dumps agrees, it refuses them all (InputError, exit 2): there is no one job to judge.
+:func:`one_job` keeps the dumps no rule sets apart (times are compared with the median of
+the dumps' records: the majority decides) and names each one left out (a note the verdict
+shows: ``hang-dump-left-out``); when no strict majority of the dumps is left, or one left
+out is a rank inside the job's world, it refuses them all (InputError, exit 2): there is no
+one job to judge.
 """
 
 from __future__ import annotations
@@ -43,28 +47,50 @@ def _completed(dump: Dump, e: Entry) -> bool:
     return e.completed or dump.last_completed.get(e.pg_id, -1) >= e.status_id
 
 
-def _contradicts(a: Dump, b: Dump) -> str | None:
-    """Why ``a`` cannot be of the same run as ``b`` (None: it can)."""
-    mine = [e.seq for e in a.entries if e.group == "0" and not e.is_p2p]
-    done = [e.seq for e in b.entries if e.group == "0" and _symmetric(e) and _completed(b, e)]
-    if done and not a.wrapped and max(mine, default=0) < max(done):
-        last = f"#{max(mine)}" if mine else "none"
-        return (
-            f"its last world collective is {last}, and rank {b.rank} completed #{max(done)}, "
-            "which needs every rank"
-        )
-    times = {(e.group, e.seq): e for e in a.entries if _symmetric(e) and e.created_ns is not None}
-    for e in b.entries:
-        other = times.get((e.group, e.seq))
-        if other is None or e.created_ns is None or not (_completed(b, e) or _completed(a, other)):
+def _behind(dumps: list[Dump]) -> dict[int, str]:
+    """rank → why: dumps whose world collectives end before one another dump completed."""
+    last: dict[int, int] = {}
+    done: dict[int, int] = {}
+    for d in dumps:
+        for e in d.entries:
+            if e.group == "0" and not e.is_p2p:
+                last[d.rank] = max(last.get(d.rank, 0), e.seq)
+                if _symmetric(e) and _completed(d, e):
+                    done[d.rank] = max(done.get(d.rank, 0), e.seq)
+    if not done:
+        return {}
+    top = max(done.values())
+    who = min(r for r, seq in done.items() if seq == top)
+    return {
+        d.rank: f"its last world collective is {f'#{last[d.rank]}' if d.rank in last else 'none'}, and "
+        f"rank {who} completed #{top}, which needs every rank"
+        for d in dumps
+        if not d.wrapped and last.get(d.rank, 0) < top
+    }
+
+
+def _apart(dumps: list[Dump]) -> dict[int, str]:
+    """rank → why: dumps whose record of a completed collective lies further from the
+    others' (their median) than its timeout allows."""
+    seen: dict[tuple[str, int], list[tuple[int, Entry, bool]]] = {}
+    for d in dumps:
+        for e in d.entries:
+            if e.created_ns is not None and _symmetric(e):
+                seen.setdefault((e.group, e.seq), []).append((d.rank, e, _completed(d, e)))
+    out: dict[int, str] = {}
+    for (_, seq), records in seen.items():
+        if len(records) < 2 or not any(done for _, _, done in records):
             continue
-        timeout_ns = max(_timeout(e), _timeout(other))
-        if abs(other.created_ns - e.created_ns) > timeout_ns + SLACK_NS:
-            apart = abs(other.created_ns - e.created_ns) / 1e9
-            return (
-                f"it recorded {e.desc or e.group} collective #{e.seq} {apart:.0f} s apart from rank {b.rank}"
-            )
-    return None
+        times = sorted(e.created_ns or 0 for _, e, _ in records)
+        middle = times[(len(times) - 1) // 2]
+        for rank, e, _ in records:
+            apart = abs((e.created_ns or 0) - middle)
+            if rank not in out and apart > _timeout(e) + SLACK_NS:
+                out[rank] = (
+                    f"it recorded {e.desc or e.group} collective #{seq} {apart / 1e9:.0f} s apart "
+                    "from the others"
+                )
+    return out
 
 
 def _timeout(e: Entry) -> int:
@@ -94,33 +120,17 @@ def one_job(dumps: list[Dump], world_size: int | None) -> tuple[list[Dump], list
             )
         else:
             keep.append(d)
-    conflicts: dict[int, dict[int, str]] = {d.rank: {} for d in keep}
-    for a in keep:
-        for b in keep:
-            why = _contradicts(a, b) if a is not b else None
-            if why is not None:
-                conflicts[a.rank].setdefault(b.rank, why)
-                conflicts[b.rank].setdefault(a.rank, f"rank {a.rank}'s dump: {why}")
-    alive = {d.rank: d for d in keep}
-    while any(conflicts[r].keys() & alive.keys() for r in alive):
-        # leave out the dump that contradicts most others; of equals, the oldest (a stale one)
-        worst = max(
-            alive,
-            key=lambda r: (len(conflicts[r].keys() & alive.keys()), -_newest(alive[r])),
-        )
-        other = min(conflicts[worst].keys() & alive.keys())
-        notes.append(f"{alive[worst].path}: not this job's dump ({conflicts[worst][other]}): left out")
-        del alive[worst]
+    why = _behind(keep)
+    for rank, reason in _apart(keep).items():
+        why.setdefault(rank, reason)
+    alive = {d.rank: d for d in keep if d.rank not in why}
+    notes += [f"{d.path}: not this job's dump ({why[d.rank]}): left out" for d in keep if d.rank in why]
     listed = (max(r, default=-1) for d in alive.values() for r in d.pg_ranks.values())
     world = world_size or max(max(alive, default=-1), max(listed, default=-1)) + 1
     holes = [d for d in dumps if d.rank not in alive and d.rank < world]
     if len(alive) * 2 <= len(dumps) or holes:
-        why = next((n for n in notes if holes and n.startswith(holes[0].path)), notes[0] if notes else "")
+        reason = next((n for n in notes if holes and n.startswith(holes[0].path)), notes[0] if notes else "")
         raise InputError(
-            f"these dumps cannot be one job's: {why.removesuffix(': left out')}; give one run's dumps"
+            f"these dumps cannot be one job's: {reason.removesuffix(': left out')}; give one run's dumps"
         )
     return [alive[r] for r in sorted(alive)], notes
-
-
-def _newest(dump: Dump) -> int:
-    return max((e.created_ns for e in dump.entries if e.created_ns is not None), default=0)

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.findings import Finding
-from gpudiag.hang.analysis import Analysis, GroupHang, mesh_dim, span
 from gpudiag.hang.blame import line as _line
 from gpudiag.hang.blame import ranks as _ranks
 from gpudiag.hang.blame import root_findings as _root_findings
 from gpudiag.hang.frames import user_frames, where
+from gpudiag.hang.groups import Analysis, GroupHang, mesh_dim, span
 from gpudiag.hang.reader import Entry, Frame, frames_of
 
 SCHEMA = "gpudiag.hang/1"

@@ -69,7 +69,7 @@ def test_a_small_dump_claiming_rank_99999_answers_in_bounded_time_memory_and_out
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert code == 1 and elapsed < 20 and peak < 400 << 20, (elapsed, peak)
-    assert len(text) < 20_000 and "3-99999  (no dump)" in text and "(ranks 0-99999)" in text, text[:2000]
+    assert len(text) < 20_000 and "3-99999  (no dump)" in text, text[:2000]
     code, document = hang(str(folder), "--format", "json")
     assert code == 1 and len(document) < 2_000_000
     rows = json.loads(document)["ranks"]
