@@ -260,3 +260,27 @@ def test_escapes_and_lone_surrogates_from_a_dump_are_escaped_in_every_format_and
         assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out and "\\ud800" in out
         if fmt == "json":
             assert json.loads(out)["culprit_ranks"] == [2]
+
+
+def test_names_an_ascii_terminal_cannot_encode_are_escaped_and_the_output_is_whole(tmp_path: Path) -> None:
+    """``tráin_日本.py`` under PYTHONIOENCODING=ascii: an internal error, and the JSON was
+    left at 67 bytes. Now each format is written whole, the names escaped."""
+    trees = {r: real(r) for r in range(3)}
+    for r in range(3):
+        for e in trees[r]["entries"]:
+            e["frames"][2]["filename"] = "/job/tráin_日本.py"
+    folder = write_job(tmp_path / "uni", trees)
+    for fmt in ("text", "json", "markdown"):
+        done = subprocess.run(
+            [sys.executable, "-m", "gpudiag", "hang", str(folder), "--format", fmt],
+            capture_output=True,
+            cwd=ROOT,
+            timeout=120,
+            env={"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "ascii"},
+        )
+        assert done.returncode == 1 and done.stderr == b"", done.stderr
+        out = done.stdout.decode("ascii")
+        if fmt == "json":
+            assert json.loads(out)["lines"]["2"].startswith("tráin_日本.py:")
+        else:
+            assert "tr\\xe1in_\\u65e5\\u672c.py" in out and out.endswith("\n")
