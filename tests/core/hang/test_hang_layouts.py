@@ -166,7 +166,7 @@ def test_a_stale_dump_of_an_earlier_larger_run_is_named_and_left_out(tmp_path: P
 
 
 def test_dumps_of_two_jobs_in_one_folder_are_refused_with_the_reason(tmp_path: Path) -> None:
-    """Ranks 0 and 1 of one job, rank 2 of another made days later: no verdict on them."""
+    """Ranks 0 and 1 of one job, rank 2 of another made two days later: no verdict on them."""
     folder = _folder(tmp_path, ("skip", 0), ("skip", 1), ("bcast_root", 2))
     code, out = run(str(folder))
     assert code == 2 and "cannot be one job's" in out["error"] and "nccl_trace_rank_2" in out["error"]

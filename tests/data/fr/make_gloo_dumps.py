@@ -8,6 +8,8 @@ group formed, a thread in every live rank writes what ``torch._C._distributed_c1
 ``SCENARIO/pickle/nccl_trace_rank_R`` (the watchdog's own name) and
 ``SCENARIO/json/fr-R.json``, then ends the rank (a rank stuck in a collective would wait
 for gloo's timeout). gloo never dumps by itself; ``gpudiag run`` does what this thread does.
+The layouts of issue 43 (``bcast_root``, ``bcast_obj``, ``mesh2d``, ``grid2d``,
+``pair_outside``, ``p2p_deadlock``) are below the first scenarios (tests/data/fr/SOURCES.md).
 """
 
 from __future__ import annotations
