@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _rank(rank: int, ws: int, port: int, out: str, entries: int, depth: int) -> None:
@@ -82,7 +83,7 @@ def make(folder: Path, ranks: int, entries: int, depth: int) -> None:
         raise SystemExit(f"ranks {missing} wrote no dump")
 
 
-def judge_folder(folder: Path) -> tuple[float, float, object]:
+def judge_folder(folder: Path) -> tuple[float, float, Any]:
     """(wall s, CPU s, verdict) of gpudiag hang's read + analyse + judge of ``folder``."""
     from gpudiag.hang.analysis import analyse
     from gpudiag.hang.reader import read_dumps
@@ -110,7 +111,8 @@ def main() -> None:
         for _ in range(args.repeats):
             wall, cpu, result = judge_folder(folder)
             runs.append((wall, cpu))
-            print(f"  wall {wall:.2f} s, CPU {cpu:.2f} s: {result.verdict}, culprits {result.to_json()['culprit_ranks']}")
+            culprits = result.to_json()["culprit_ranks"]
+            print(f"  wall {wall:.2f} s, CPU {cpu:.2f} s: {result.verdict}, culprits {culprits}")
     wall, cpu = min(runs)
     print(
         f"read + analyse {args.ranks} ranks x {args.entries} entries x {args.depth} frames: "
