@@ -50,11 +50,15 @@ def resolve(a: Analysis) -> None:
             deviants = set(found[0])
             _, record, majority, theirs = found
             for h in unresolved:
+                others = {s for r, s in h.states.items() if r not in deviants and s != ABSENT}
+                reference = others.pop() if len(others) == 1 else h.op  # (the op the others are in)
                 left = sorted(
-                    r for r in deviants if (r in h.states and h.states[r] != h.op) or r in h.missing
+                    r for r in deviants if (r in h.states and h.states[r] != reference) or r in h.missing
                 )
                 if left:
                     h.culprits, h.how = left, "program"
+                    if h.expected is None and reference is not None:
+                        h.expected = reference
                     steps = "; ".join(f"rank {r}: {theirs[r]}" for r in left if r in theirs)
                     h.evidence = (
                         f"its sequence of collectives left the others' at record {record}: "
