@@ -237,25 +237,12 @@ def p2p_deadlock(rank: int, ws: int, dist, torch) -> None:  # both ranks recv fi
     dist.send(x, 1 - rank)
 
 
-def tp_swap(rank: int, ws: int, dist, torch) -> None:  # 2 x 2; rank 3 calls all_gather, rank 2 all_reduce
-    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    x = torch.ones(4)
-    for step in range(2):
-        if rank == 3 and step == 1:
-            dist.all_gather([torch.empty(4) for _ in range(2)], x, group=tps[1])
-        else:
-            dist.all_reduce(x, group=tps[rank // 2])
-        dist.all_reduce(x, group=dps[rank % 2])
-
-
 SCENARIOS["bcast_root"] = (bcast_root, 3, 100)
 SCENARIOS["bcast_obj"] = (bcast_obj, 3, 100)
 SCENARIOS["mesh2d"] = (mesh2d, 4, 100)
 SCENARIOS["grid2d"] = (grid2d, 4, 100)
 SCENARIOS["pair_outside"] = (pair_outside, 2, 100)
 SCENARIOS["p2p_deadlock"] = (p2p_deadlock, 2, 100)
-SCENARIOS["tp_swap"] = (tp_swap, 4, 100)
 
 
 if __name__ == "__main__":
