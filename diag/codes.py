@@ -209,6 +209,13 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
         "hang",
         "a rank's last operation is a send or recv that never completed",
     ),
+    (
+        "hang-rooted-pending",
+        "error",
+        "hang",
+        "ranks still wait in a broadcast, scatter, gather or reduce that another rank completed",
+    ),
+    ("hang-dump-left-out", "warning", "hang", "a file given was not judged: not a dump, or another job's"),
 )
 
 #: Every finding code, by name.

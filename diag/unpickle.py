@@ -117,11 +117,19 @@ def _children(obj: Any) -> Collection[Any]:
     return parts() if callable(parts) else ()
 
 
-def check_tree(tree: Any, source: str, kind: str = "pickle") -> None:
+def _text(objs: Iterable[Any]) -> int:
+    return sum(len(o) for o in objs if isinstance(o, (str, bytes)))
+
+
+def check_tree(
+    tree: Any, source: str, kind: str = "pickle", max_text: int | None = None, max_nodes: int = MAX_NODES
+) -> None:
     """Refuse a tree that is cyclic, nested deeper than MAX_DEPTH, or has more than
     MAX_NODES nodes when walked as a tree; linear in the distinct objects. ``kind`` names
-    the file in the error (``"checkpoint"``)."""
-    done: dict[int, tuple[int, int]] = {}  # id -> (tree size, depth)
+    the file in the error (``"checkpoint"``); ``max_nodes`` replaces MAX_NODES. With
+    ``max_text``, also one whose strings and bytes, each counted once per reference to it
+    (what printing the tree costs), hold more than ``max_text`` characters."""
+    done: dict[int, tuple[int, int, int]] = {}  # id -> (tree size, depth, text)
     keep: list[Any] = []  # the objects whose ids are in done stay alive
     active: set[int] = set()
     stack: list[tuple[Any, list[Any] | None]] = [(tree, None)]
@@ -144,13 +152,19 @@ def check_tree(tree: Any, source: str, kind: str = "pickle") -> None:
             continue
         stack.pop()
         active.discard(id(obj))
-        size = 1 + len(_children(obj)) - len(kids) + sum(done[id(k)][0] for k in kids)
+        children = _children(obj)
+        size = 1 + len(children) - len(kids) + sum(done[id(k)][0] for k in kids)
         depth = 1 + max((done[id(k)][1] for k in kids), default=0)
-        if size > MAX_NODES:
+        text = _text(children) + sum(done[id(k)][2] for k in kids) if max_text is not None else 0
+        if size > max_nodes:
             raise TooComplex(
-                source, f"more than {MAX_NODES} objects when walked, shared references counted", kind
+                source, f"more than {max_nodes} objects when walked, shared references counted", kind
             )
-        done[id(obj)] = (size, depth)
+        if max_text is not None and text > max_text:
+            raise TooComplex(
+                source, f"more than {max_text >> 20} MiB of text, shared references counted", kind
+            )
+        done[id(obj)] = (size, depth, text)
         keep.append(obj)
 
 

@@ -1,82 +1,53 @@
 """Which rank is stuck, in which collective: the analysis of one job's flight-recorder dumps.
 
 Per process group (its members rebuilt from the entries, since gloo's ``pg_config`` names
-only the last group created; the world group is every rank; NCCL's ``pg_config`` adds its
-listed ranks): the first collective sequence number N that no member reports completed
-(one member's completed report of N means every member entered N). At N each member with
-a dump is *in* a collective (its op) or *absent* (its entries in the group end before N);
-the expected op is the **majority**'s, never rank 0's; the others are the group's culprits
-(a tie is reported as a tie, with no culprit). A member without a dump is *missing*.
+only the last group created; the world group ``"0"`` is every rank; NCCL's ``pg_config``
+adds its listed ranks): the first collective sequence number N that some member has not
+completed. What a completion proves depends on the operation:
 
-Across groups, **cause before consequence**: a group whose absent ranks are all blocked in
-another hung group's collective waits because of that group (when two groups wait on each
-other, the smaller — the sub-group — is the cause). The root group's collective is the
-verdict's ``collective``.
+- a **symmetric** collective (all_reduce, all_gather, barrier, reduce_scatter, all_to_all)
+  completes on one member only once every member entered it: one member's completion of N
+  means N is done for every member;
+- a **rooted** one (broadcast, scatter, gather, reduce: :data:`ROOTED`) completes on a
+  non-root once it has its data, and on the root once its data has left, whatever the
+  other ranks do: a completion counts for that rank alone (a non-root that received its
+  broadcast and went on is not the culprit; the ranks still in it are never shown done).
+
+At N each member with a dump is *in* a collective (its op; ``finished`` when it completed
+its own part of a rooted one) or *absent* (its entries in the group end before N); the
+expected op is the **majority**'s, never rank 0's. A member without a dump is *missing*.
+
+Across groups, **cause before consequence** (:mod:`.causes`): a group whose absent ranks
+are all blocked in other hung groups waits because of them; a rank that is in no
+collective (computing, in I/O, finished) or has no dump is where waiting ends. The root
+groups' first collective is the verdict's ``collective``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 from gpudiag.errors import InputError
-from gpudiag.hang.reader import Dump, Entry, Frame
+from gpudiag.hang.causes import resolve
+from gpudiag.hang.groups import ABSENT, ROOTED, Analysis, GroupHang, is_rooted, mesh_dim, span
+from gpudiag.hang.job import one_job
+from gpudiag.hang.reader import Dump, Entry
 
-ABSENT = "(not in a collective)"
+__all__ = [
+    "ABSENT",
+    "MAX_WORLD",
+    "ROOTED",
+    "Analysis",
+    "GroupHang",
+    "analyse",
+    "is_rooted",
+    "mesh_dim",
+    "span",
+]
 
-
-@dataclass
-class GroupHang:
-    """Group ``group`` (``desc``) waits at collective ``seq``: ``states`` maps each member
-    with a dump to its op at ``seq`` or :data:`ABSENT`; ``expected`` is the majority's
-    (None on a tie); ``culprits`` the ranks that differ from it; ``missing`` members
-    without a dump; ``cause`` the group it waits for (None: a root)."""
-
-    group: str
-    desc: str
-    members: list[int]
-    seq: int
-    states: dict[int, str]
-    entries: dict[int, Entry]
-    expected: str | None
-    culprits: list[int]
-    missing: list[int]
-    cause: str | None = None
-
-    @property
-    def label(self) -> str:
-        return self.desc if self.desc and self.desc != "undefined" else f"group {self.group}"
-
-    def ranks_in(self) -> list[int]:
-        return sorted(r for r, s in self.states.items() if s != ABSENT and s == self.expected)
-
-    def absent(self) -> list[int]:
-        return sorted(r for r, s in self.states.items() if s == ABSENT)
-
-
-@dataclass
-class Analysis:
-    """What :func:`analyse` found: ``world_size``, the dumps, every hung group (roots
-    first), each rank's pending entry (``blocked``), the mismatched sizes of completed
-    collectives, and the groups where every member entered the same pending collective."""
-
-    world_size: int
-    dumps: dict[int, Dump]
-    hangs: list[GroupHang]
-    blocked: dict[int, Entry]
-    missing: list[int]
-    mismatches: list[tuple[str, str, int, dict[int, str]]] = field(default_factory=list)
-    all_entered: list[tuple[str, int, str]] = field(default_factory=list)
-    #: rank → the user's line in its main thread's stack (``gpudiag run`` wrote it), if any
-    stacks: dict[int, Frame] = field(default_factory=dict)
-    #: rank → operations its gloo groups ran that no entry lists (:func:`unrecorded`)
-    unrecorded: dict[int, int] = field(default_factory=dict)
-    #: rank → its last recorded operation, when that is a send or recv not completed
-    p2p_pending: dict[int, Entry] = field(default_factory=dict)
-
-    @property
-    def roots(self) -> list[GroupHang]:
-        return [h for h in self.hangs if h.cause is None]
+#: Most group memberships all dumps together may claim (``pg_config`` ranks of every group):
+#: a 2 MB dump of groups listing 100,000 ranks each made 3 GB of sets.
+MAX_MEMBERSHIPS = 2_000_000
 
 
 #: Most ranks of one job judged (as many as dump files one run reads: ``reader.MAX_FILES``):
@@ -89,7 +60,7 @@ def _world_size(dumps: list[Dump], given: int | None) -> int:
     listed = max((max(r, default=-1) for d in dumps for r in d.pg_ranks.values()), default=-1) + 1
     if given is not None and given < seen:
         raise InputError(f"--world-size {given}: there is a dump of rank {seen - 1}")
-    world = max(given or 0, seen, listed)
+    world = given if given is not None else max(seen, listed)
     if world > MAX_WORLD:
         source = (
             f"{max(dumps, key=lambda d: d.rank).path} (rank {seen - 1})"
@@ -106,39 +77,67 @@ def _signature(e: Entry) -> str:
     return f"{e.op} {e.input_sizes} {e.input_dtypes}"
 
 
-def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
-    """The hung groups of one job (module docstring); ``world_size`` when no dump tells it."""
-    if not dumps:
-        raise InputError("no flight-recorder dumps given")
-    ws = _world_size(dumps, world_size)
-    by_rank = {d.rank: d for d in dumps}
+def _members(dumps: list[Dump], ws: int) -> tuple[dict[str, str], dict[str, set[int]]]:
+    """Each group's description and members: the ranks with entries in it, the ranks its
+    ``pg_config`` lists (NCCL), every rank for the world group ``"0"``."""
     names: dict[str, str] = {}
     members: dict[str, set[int]] = {}
+    for d in dumps:
+        for e in d.entries:
+            if not e.is_p2p:
+                names.setdefault(e.group, e.desc)
+                members.setdefault(e.group, set()).add(d.rank)
+    claimed = 0
+    for d in dumps:
+        for name, ranks in d.pg_ranks.items():
+            if name and name in members and name != "0":
+                claimed += len(ranks)
+                if claimed > MAX_MEMBERSHIPS:
+                    raise InputError(
+                        f"{d.path}: the dumps' pg_config lists more than {MAX_MEMBERSHIPS:,} group "
+                        "memberships, more than gpudiag hang judges"
+                    )
+                members[name].update(r for r in ranks if 0 <= r < ws)
+    if "0" in members:
+        members["0"] = set(range(ws))
+    return names, members
+
+
+def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
+    """The hung groups of one job (module docstring); ``world_size`` when no dump tells it.
+    ``dumps`` may carry ``skipped`` notes (:class:`~gpudiag.hang.reader.Dumps`)."""
+    if not dumps:
+        raise InputError("no flight-recorder dumps given")
+    skipped = list(getattr(dumps, "skipped", []))
+    dumps, left_out = one_job(list(dumps), world_size)
+    skipped += left_out
+    ws = _world_size(dumps, world_size)
+    by_rank = {d.rank: d for d in dumps}
+    names, members = _members(dumps, ws)
     seqs: dict[str, dict[int, dict[int, Entry]]] = {}  # group -> rank -> seq -> entry
-    done: dict[str, set[int]] = {}  # group -> sequence numbers some member completed
+    done: dict[str, set[int]] = {}  # group -> sequence numbers done for every member
+    own: dict[str, dict[int, set[int]]] = {}  # group -> rank -> sequence numbers it completed
     for d in dumps:
         for e in d.entries:
             if e.is_p2p:
                 continue
-            names.setdefault(e.group, e.desc)
-            members.setdefault(e.group, set()).add(d.rank)
             seqs.setdefault(e.group, {}).setdefault(d.rank, {})[e.seq] = e
             if e.completed or d.last_completed.get(e.pg_id, -1) >= e.status_id:
-                done.setdefault(e.group, set()).add(e.seq)
-        for name, ranks in d.pg_ranks.items():
-            if name and name in members:
-                members[name].update(r for r in ranks if r < ws)
-    for name, desc in names.items():
-        if name == "0" or desc == "default_pg":
-            members[name] = set(range(ws))
+                own.setdefault(e.group, {}).setdefault(d.rank, set()).add(e.seq)
+                if not is_rooted(e.op):
+                    done.setdefault(e.group, set()).add(e.seq)
+
+    def finished(group: str, rank: int, seq: int) -> bool:
+        return seq in done.get(group, set()) or seq in own.get(group, {}).get(rank, set())
+
     blocked: dict[int, Entry] = {}
     for d in dumps:
         last = [e for e in d.entries if not e.is_p2p]
-        if last and not (last[-1].completed or last[-1].seq in done.get(last[-1].group, set())):
+        if last and not finished(last[-1].group, d.rank, last[-1].seq):
             blocked[d.rank] = last[-1]
 
     hangs: list[GroupHang] = []
-    result = Analysis(ws, by_rank, hangs, blocked, sorted(set(range(ws)) - set(by_rank)))
+    result = Analysis(ws, by_rank, hangs, blocked, sorted(set(range(ws)) - set(by_rank)), skipped=skipped)
     result.unrecorded = {d.rank: n for d in dumps if (n := unrecorded(d))}
     for d in dumps:  # (the last operation: a p2p one pending means the rank waits there)
         final = max(d.entries, key=lambda e: e.record_id, default=None)
@@ -146,9 +145,8 @@ def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
             result.p2p_pending[d.rank] = final
     for name in sorted(seqs, key=lambda n: (len(members[n]), n)):
         recorded = seqs[name]
-        completed = done.get(name, set())
-        pending = sorted({s for per in recorded.values() for s in per} - completed)
-        _mismatches(result, name, recorded, completed)
+        _mismatches(result, name, recorded, done.get(name, set()))
+        pending = sorted({s for rank, per in recorded.items() for s in per if not finished(name, rank, s)})
         if not pending:
             continue
         seq = pending[0]
@@ -167,67 +165,39 @@ def analyse(dumps: list[Dump], world_size: int | None = None) -> Analysis:
         tie = len(votes) > 1 and votes[0][1] == votes[1][1]
         expected = None if tie or not votes else votes[0][0]
         culprits = [] if expected is None else sorted(r for r, s in states.items() if s != expected)
+        hang = GroupHang(
+            name, names[name], sorted(members[name]), seq, states, entries, expected, culprits, missing
+        )
+        hang.finished = sorted(r for r in entries if finished(name, r, seq))
         if len(votes) == 1 and expected != ABSENT and not missing:
             sizes = {_signature(e) for e in entries.values()}
-            if len(sizes) == 1:
+            if len(sizes) == 1 and not hang.finished:
                 result.all_entered.append((name, seq, str(expected)))
                 continue
         if not culprits and missing and not tie:
-            culprits = missing
-        hangs.append(
-            GroupHang(
-                name, names[name], sorted(members[name]), seq, states, entries, expected, culprits, missing
-            )
-        )
-    _causes(result)
+            hang.culprits = missing
+        hangs.append(hang)
+    resolve(result)
     result.hangs.sort(key=lambda h: (h.cause is not None, len(h.members), h.group))
     return result
 
 
 def unrecorded(dump: Dump) -> int:
     """How many operations ``dump``'s gloo groups ran that it has no entry for: the gaps in
-    each group's op_ids (from 1, or from the oldest entry kept when the buffer wrapped).
-    gloo (torch 2.14) records no send or recv, but each takes an op_id."""
+    each group's op_ids (from 1, or from the oldest entry kept when the buffer wrapped),
+    and past the last entry up to what ``pg_status`` says was enqueued. gloo (torch 2.14)
+    records no send or recv, but each takes an op_id."""
     ids: dict[int, list[int]] = {}
     for e in dump.entries:
         if e.backend == "gloo" and e.op_id is not None and not e.is_p2p:
             ids.setdefault(e.pg_id, []).append(e.op_id)
     missing = 0
-    for found in ids.values():
+    for pg, found in ids.items():
         found = sorted(set(found))
         start = found[0] if dump.wrapped else 1
-        missing += max(0, found[-1] - start + 1 - len(found))
+        last = max(found[-1], dump.last_completed.get(pg, -1))
+        missing += max(0, last - start + 1 - len(found))
     return missing
-
-
-def _causes(result: Analysis) -> None:
-    """Each hung group whose absent ranks are all blocked in one other hung group waits
-    for it; of two groups waiting on each other, the larger waits for the smaller."""
-    hung = {h.group: h for h in result.hangs}
-    edges: dict[str, str] = {}
-    for h in result.hangs:
-        absent = h.absent()
-        targets = {result.blocked[r].group for r in absent if r in result.blocked}
-        if absent and len(targets) == 1 and all(r in result.blocked for r in absent):
-            target = targets.pop()
-            if target in hung and target != h.group:
-                edges[h.group] = target
-    for g, target in list(edges.items()):
-        if edges.get(target) == g:  # a cycle of two: the sub-group is the cause
-            if len(hung[target].members) < len(hung[g].members):
-                edges.pop(target, None)
-            elif len(hung[g].members) < len(hung[target].members):
-                edges.pop(g, None)
-    for g, target in edges.items():
-        hung[g].cause = target
-    for h in result.hangs:  # a root whose majority tied: the sub-group's absent ranks are its cause
-        if (
-            h.cause is None
-            and not h.culprits
-            and h.absent()
-            and any(x.cause == h.group for x in result.hangs)
-        ):
-            h.culprits = h.absent()
 
 
 def _mismatches(
@@ -236,6 +206,12 @@ def _mismatches(
     """Completed collectives whose members recorded other sizes or dtypes."""
     common = set.intersection(*(set(per) for per in recorded.values())) if len(recorded) > 1 else set()
     for seq in sorted(common & completed):
+        first = next(iter(recorded.values()))[seq]
+        same = (first.op, first.input_sizes, first.input_dtypes)
+        if all(
+            (per[seq].op, per[seq].input_sizes, per[seq].input_dtypes) == same for per in recorded.values()
+        ):
+            continue  # (compared as they are: formatting every collective's sizes cost seconds)
         sigs = {rank: _signature(per[seq]) for rank, per in recorded.items()}
         if len(set(sigs.values())) > 1:
             result.mismatches.append((name, recorded[min(recorded)][seq].desc, seq, sigs))

@@ -29,6 +29,7 @@ from typing import Any
 from gpudiag.errors import InputError
 from gpudiag.hang.reader import dump_files, dumps_in, load_tree, parse_dump, rank_of
 from gpudiag.hang.result import MAX_STACKS_BYTES, HangResult, judge
+from gpudiag.unpickle import check_tree
 
 #: The folder inside the bundle.
 FOLDER = "hang"
@@ -37,6 +38,31 @@ FOLDER = "hang"
 MAX_DUMP_BYTES = 48 << 20
 MAX_BYTES = 160 << 20
 _STACKS = re.compile(r"rank(\d{1,7})\.json")
+#: Most objects one dump's tree may hold when written out, a shared object once per
+#: reference (JSON repeats it): 20,000 entries of 64 frames (7 objects a frame) and more.
+MAX_NODES = 16_000_000
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it: keys as text (a tuple, bytes or frozenset key of a
+    hostile dump too), numbers past 2**63 as text (``json`` cannot print past 4,300
+    digits), bytes as their repr. The tree is checked first: depth, size and text bounded."""
+    if isinstance(value, dict):
+        return {_key(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) < value < 2**63 else "(a number past 2**63)"
+    return repr(value)[:4096] if isinstance(value, bytes) else str(type(value).__name__)
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    plain = _plain(key)
+    return plain if isinstance(plain, str) else json.dumps(plain)
 
 
 def _regular(path: Path, limit: int) -> bytes | None:
@@ -75,9 +101,11 @@ def collect(folder: str) -> dict[str, bytes]:
             raise InputError(f"{path}: rank {rank}, more than the {MAX_WORLD:,} ranks gpudiag hang judges")
         tree = load_tree(path)
         parse_dump(tree, path, rank)  # (what gpudiag hang could not read is refused here)
-        data = (json.dumps(tree, default=str) + "\n").encode()
-        if len(data) > MAX_DUMP_BYTES:
-            raise _too_large(folder, f"{path.name} is {len(data)} bytes as JSON")
+        # written whole, a shared string or frame once per reference: bounded before it is
+        check_tree(tree, str(path), "flight-recorder dump", max_text=MAX_BYTES, max_nodes=MAX_NODES)
+        data = _json_within(_plain(tree), MAX_DUMP_BYTES)
+        if data is None:
+            raise _too_large(folder, f"{path.name} is more than {MAX_DUMP_BYTES} bytes as JSON")
         total += len(data)
         if total > MAX_BYTES:
             raise _too_large(folder, "its dumps hold more together")
@@ -95,6 +123,19 @@ def collect(folder: str) -> dict[str, bytes]:
     if verdict is not None and isinstance(_json(verdict), dict):
         files[f"{FOLDER}/verdict.json"] = verdict
     return files
+
+
+def _json_within(tree: Any, limit: int) -> bytes | None:
+    """``tree`` as one line of JSON (ASCII: every other character escaped), or None as soon
+    as it passes ``limit`` bytes — the size is checked as it is written, not after."""
+    parts: list[str] = []
+    size = 0
+    for chunk in json.JSONEncoder().iterencode(tree):
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return ("".join(parts) + "\n").encode()
 
 
 def _json(data: bytes) -> Any:

@@ -1,4 +1,4 @@
-"""The user's line of a recorded collective: the first frame outside torch and gpudiag."""
+"""The user's line of a recorded collective or a stack: the innermost frame of the user's own code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ _TORCH = re.compile(
 )
 _GPUDIAG = re.compile(r"[/\\](site|dist)-packages[/\\]gpudiag[/\\]")
 #: Python's standard library (multiprocessing, threading, runpy): never the caller shown.
-_STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)|^<frozen ")
+_STDLIB = re.compile(
+    r"[/\\]lib(64)?[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)"
+    r"|[/\\]Lib[/\\](?!site-packages)|^<frozen "
+)
 _PACKAGES = re.compile(r"[/\\](site|dist)-packages[/\\]")
 #: This installation's gpudiag folders (diag/, checks/, repro/ in a checkout).
 _HERE = Path(__file__).resolve().parents
@@ -26,17 +29,29 @@ def _ours(file: str) -> bool:
     return any(file.startswith(root + "/") for root in _OWN)
 
 
+def _library(file: str) -> bool:
+    """The standard library (``subprocess.py``, ``selectors.py``, ``threading.py``), an
+    installed package, or no file at all (``<frozen runpy>``, ``<string>``)."""
+    return bool(_STDLIB.search(file) or _PACKAGES.search(file) or file.startswith("<"))
+
+
 def user_frames(frames: tuple[Frame, ...]) -> tuple[Frame | None, Frame | None]:
-    """(the first frame outside torch and gpudiag, innermost first; the frame that called
-    it when that is user code too — not torch, gpudiag, the standard library or another
-    installed package: the caller when the collective runs in a helper)."""
+    """(the innermost frame of the user's own code — not torch, gpudiag, the standard
+    library or an installed package —, innermost first; the frame that called it when
+    that is user code too: the caller when the collective runs in a helper). Without any
+    frame of the user's own, the innermost one of an installed package (a script run
+    from one), else None: a standard-library line (``selectors.py:415`` of a rank waiting
+    on a subprocess) is never the user's line."""
     for i, frame in enumerate(frames):
-        if _ours(frame.file):
+        if _ours(frame.file) or _library(frame.file):
             continue
         outer = frames[i + 1] if i + 1 < len(frames) else None
-        if outer is None or _ours(outer.file) or _STDLIB.search(outer.file) or _PACKAGES.search(outer.file):
+        if outer is None or _ours(outer.file) or _library(outer.file):
             return frame, None  # the script's top level, or called by torch, gpudiag, runpy, click
         return frame, outer
+    for frame in frames:
+        if not _ours(frame.file) and not _STDLIB.search(frame.file) and not frame.file.startswith("<"):
+            return frame, None
     return None, None
 
 

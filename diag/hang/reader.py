@@ -11,26 +11,34 @@ file's name (``nccl_trace_rank_3``, ``fr-3.json``, ``dump.rank3.pkl``), as torch
 analyzer reads it. The recorder is a ring buffer: a dump whose first ``record_id`` is not
 0 has lost its oldest entries (:attr:`Dump.wrapped`).
 
-Dumps come from other machines: a pickle is read by :class:`gpudiag.unpickle.BoundedUnpickler`
-with no global allowed (a dump holds only dicts, lists, tuples, text, numbers), within
+Dumps come from other machines: a pickle is read by :mod:`gpudiag.hang.dumppickle` (only
+dicts, lists, tuples, text, numbers: no global, no call, text keys), within
 :data:`MAX_BYTES`; anything else is one :class:`~gpudiag.errors.InputError` naming the file.
+What a dump shares (torch's pickle repeats one frame by reference) is read once
+(:func:`frames_of`), and every text taken from it is :func:`clean` — control characters and
+lone surrogates escaped, cut — so no output format prints a terminal escape or fails to
+encode a name.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpudiag.errors import InputError
-from gpudiag.unpickle import BoundedUnpickler, TooComplex, check_tree, one_line
+from gpudiag.hang import dumppickle
+from gpudiag.unpickle import TooComplex, one_line
 
 #: Largest dump read, in bytes (a 20,000-entry NCCL buffer with frames is about 60 MB).
 MAX_BYTES = 256 * 1024 * 1024
+#: Most entries one dump may hold (torch's ring buffer: TORCH_FR_BUFFER_SIZE, 2,000 by default).
+MAX_ENTRIES = 200_000
+#: Frames of one entry kept (the innermost; torch records up to 64 by default).
+MAX_FRAMES = 256
 #: Most files one run reads (a folder of one job's dumps, one per rank).
 MAX_FILES = 100_000
 #: Format versions read: major 2 (torch 2.11 to 2.15 write "2.10"; every 2.x has the fields used).
@@ -76,6 +84,10 @@ class Entry:
     #: which a send or recv advances too — gloo records no send or recv as an entry
     op_id: int | None = None
     backend: str = ""
+    #: when the rank recorded it (``time_created_ns``, the rank's clock; None when absent)
+    created_ns: int | None = None
+    #: the collective's timeout (``timeout_ms``; None when absent)
+    timeout_ms: int | None = None
 
     @property
     def status_id(self) -> int:
@@ -100,18 +112,34 @@ class Dump:
     wrapped: bool = False
 
 
-class _DumpUnpickler(BoundedUnpickler):
-    """No global at all: a flight-recorder pickle holds only builtin containers and scalars."""
+class Dumps(list[Dump]):
+    """The dumps read, one per rank (a list), and ``skipped``: a note per file of the folder
+    that is not a flight-recorder dump (a job's log beside them), which the verdict shows."""
 
-    kind = _KIND
+    def __init__(self, dumps: list[Dump] = (), skipped: list[str] | None = None):  # type: ignore[assignment]
+        super().__init__(dumps)
+        self.skipped: list[str] = skipped or []
 
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(
-            f"a global ({one_line(module, 60)}.{one_line(name, 60)}), which no dump holds"
-        )
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("a persistent id, which no dump holds")
+#: Longest text kept from a dump (a file name, an op's name); longer is cut with "…".
+MAX_TEXT = 4096
+#: Numbers a dump's counters (record ids, sequence numbers, lines) may hold.
+MAX_NUMBER = 2**63
+
+
+def clean(text: str, limit: int = MAX_TEXT) -> str:
+    """Text from a dump, safe to print in every format: control characters, lone
+    surrogates and other unprintable characters escaped (``\\x1b``, ``\\ud800``), cut at
+    ``limit`` characters."""
+    if text.isprintable() and len(text) <= limit:
+        return text
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    return out + ("…" if len(text) > limit else "")
+
+
+class NotADump(InputError):
+    """The file is no flight-recorder dump at all (a log, another JSON document): in a
+    folder, skipped with a note; named alone, refused."""
 
 
 def rank_of(path: Path) -> int:
@@ -187,66 +215,118 @@ def tree_of(data: bytes, source: str) -> Any:
                 f"{path}: not a flight-recorder dump (damaged JSON: {one_line(str(exc))})"
             ) from exc
     elif data[:1] == b"\x80":
-        try:
-            tree = _DumpUnpickler(data, source).load()
-        except InputError:
-            raise
-        except RecursionError as exc:
-            raise TooComplex(source, "nested too deep", _KIND) from exc
-        except Exception as exc:
-            raise InputError(
-                f"{path}: the dump's pickle is damaged or unsafe ({type(exc).__name__}: {one_line(str(exc))})"
-            ) from exc
+        tree = dumppickle.loads(data, source, _KIND)
     else:
-        raise InputError(f"{path}: not a flight-recorder dump (neither a pickle nor JSON)")
-    check_tree(tree, source, _KIND)
+        raise NotADump(f"{path}: not a flight-recorder dump (neither a pickle nor JSON)")
     return tree
 
 
 def _int(value: Any, what: str, path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InputError(f"{path}: {what} is not a number")
+    if isinstance(value, str) and len(value) > 30:
+        raise InputError(f"{path}: {what} is not a number")
     try:
-        return int(value)
+        number = int(value)
     except ValueError as exc:
         raise InputError(f"{path}: {what} is not a number") from exc
+    if not -MAX_NUMBER < number < MAX_NUMBER:
+        raise InputError(f"{path}: {what} is out of range (more than 2**63)")
+    return number
+
+
+def _small(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and -MAX_NUMBER < value < MAX_NUMBER
 
 
 def _ranks(text: Any) -> list[int]:
     """``"[0, 1, 2]"`` (pg_config's ranks) → [0, 1, 2]; [] when unreadable."""
     if isinstance(text, list):
-        return [r for r in text if isinstance(r, int) and not isinstance(r, bool)]
+        return [r for r in text[:100_000] if _small(r) and 0 <= r < 10**7]
     if not isinstance(text, str):
         return []
     return [int(x) for x in re.findall(r"\d+", text[:100_000]) if len(x) <= 7]
 
 
-def frames_of(value: Any) -> tuple[Frame, ...]:
-    """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's)."""
+def frames_of(value: Any, seen: dict[Any, Any] | None = None) -> tuple[Frame, ...]:
+    """Frames from a list of {filename, line, name} dicts (the recorder's and gpudiag run's).
+    ``seen`` (id → (object, result)) makes a frame, or a list of frames, that the dump
+    shares between entries (torch's pickle does) cost once: per reference, a small dump
+    could make the work grow as the product of two lists' lengths."""
+    if not isinstance(value, list):
+        return ()
+    seen = {} if seen is None else seen
+    same = ("frames", *map(id, value[:MAX_FRAMES]))  # (another list of the same shared frames)
+    known = seen.get(id(value)) or seen.get(same)
+    if known is not None and (known[0] is value or known[0] == same):
+        return known[1]
     out = []
-    for f in value if isinstance(value, list) else ():
-        if isinstance(f, dict) and isinstance(f.get("filename"), str):
+    for f in value[:MAX_FRAMES]:
+        done = seen.get(id(f))
+        if done is not None and done[0] is f:
+            out.append(done[1])
+        elif isinstance(f, dict) and isinstance(f.get("filename"), str):
             line = f.get("line")
             name = f.get("name")
-            out.append(
-                Frame(
-                    f["filename"],
-                    line if isinstance(line, int) and not isinstance(line, bool) else 0,
-                    name if isinstance(name, str) else "?",
-                )
+            frame = Frame(
+                clean(f["filename"]),
+                line if _small(line) and line >= 0 else 0,
+                clean(name) if isinstance(name, str) else "?",
             )
-    return tuple(out)
-
-
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
+            seen[id(f)] = (f, frame)
+            out.append(frame)
+    result = tuple(out)
+    seen[id(value)] = (value, result)
+    seen[same] = (same, result)
+    return result
 
 
 def _strings(value: Any) -> list[str]:
-    return [str(v) for v in value] if isinstance(value, list) else []
+    return (
+        [clean(v, 200) if isinstance(v, str) else _shown(v) for v in value[:1000]]
+        if isinstance(value, list)
+        else []
+    )
 
 
-def _entry(raw: Any, path: Path, index: int) -> Entry:
+def _shown(value: Any) -> str:
+    """A value of any type as short, printable text (never formats a huge number)."""
+    if isinstance(value, int) and not _small(value):
+        return "(a number past 2**63)"
+    if isinstance(value, (int, float, bool)) or value is None:
+        return str(value)
+    if isinstance(value, str):
+        return clean(value, 200)
+    return f"({type(value).__name__})"
+
+
+def _sizes(value: Any) -> list[Any]:
+    """``input_sizes``: a list of shapes (lists of whole numbers); anything else shown as text."""
+    out: list[Any] = []
+    for shape in value[:1000] if isinstance(value, list) else ():
+        if (
+            type(shape) is list
+            and len(shape) <= 64
+            and all(type(n) is int and -MAX_NUMBER < n < MAX_NUMBER for n in shape)
+        ):
+            out.append(list(shape))
+        elif isinstance(shape, list):
+            out.append([n if _small(n) else _shown(n) for n in shape[:64]])
+        else:
+            out.append(_shown(shape))
+    return out
+
+
+def _entry(raw: Any, path: Path, index: int, seen: dict[Any, Any]) -> Entry:
+    known = seen.get(id(raw))
+    if known is not None and known[0] is raw:  # (one entry listed again: the same Entry)
+        return known[1]
+    entry = _new_entry(raw, path, index, seen)
+    seen[id(raw)] = (raw, entry)
+    return entry
+
+
+def _new_entry(raw: Any, path: Path, index: int, seen: dict[Any, Any]) -> Entry:
     where = f"entry {index}"
     if not isinstance(raw, dict):
         raise InputError(f"{path}: {where} is not a record")
@@ -256,13 +336,16 @@ def _entry(raw: Any, path: Path, index: int) -> Entry:
     group = raw["process_group"]
     if not isinstance(group, (list, tuple)) or len(group) != 2 or not all(isinstance(g, str) for g in group):
         raise InputError(f"{path}: {where}: process_group is not (name, desc)")
+    group = (clean(group[0], 200), clean(group[1], 200))
     name = raw["profiling_name"]
     if not isinstance(name, str):
         raise InputError(f"{path}: {where}: profiling_name is not text")
+    name = clean(name, 200)
     is_p2p = bool(raw.get("is_p2p", False))
     seq = _int(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"), f"{where}'s sequence number", path)
-    state = str(raw.get("state", ""))
+    state = _shown(raw.get("state", ""))
     op_id = raw.get("op_id")
+    created = raw.get("time_created_ns")
     return Entry(
         record_id=_int(raw.get("record_id", index), f"{where}'s record_id", path),
         group=group[0],
@@ -271,22 +354,24 @@ def _entry(raw: Any, path: Path, index: int) -> Entry:
         seq=seq,
         is_p2p=is_p2p,
         op=name.split(":", 1)[1] if ":" in name else name,
-        input_sizes=_list(raw.get("input_sizes")),
+        input_sizes=_sizes(raw.get("input_sizes")),
         input_dtypes=_strings(raw.get("input_dtypes")),
-        output_sizes=_list(raw.get("output_sizes")),
+        output_sizes=_sizes(raw.get("output_sizes")),
         output_dtypes=_strings(raw.get("output_dtypes")),
         state=state,
         completed=state == "completed" or raw.get("retired") is True,
-        frames=frames_of(raw.get("frames")),
-        op_id=op_id if isinstance(op_id, int) and not isinstance(op_id, bool) else None,
+        frames=frames_of(raw.get("frames"), seen),
+        op_id=op_id if _small(op_id) else None,
         backend=name.split(":", 1)[0] if ":" in name else "",
+        created_ns=created if _small(created) else None,
+        timeout_ms=timeout if _small(timeout := raw.get("timeout_ms")) and timeout >= 0 else None,
     )
 
 
 def parse_dump(tree: Any, path: Path, rank: int) -> Dump:
     """A :class:`Dump` from the object a file held; InputError when it is not one."""
     if not isinstance(tree, dict) or ("entries" not in tree and "version" not in tree):
-        raise InputError(f"{path}: not a flight-recorder dump (no 'version' and 'entries')")
+        raise NotADump(f"{path}: not a flight-recorder dump (no 'version' and 'entries')")
     version = tree.get("version")
     major = str(version).split(".", 1)[0]
     if not isinstance(version, str) or major != str(MAJOR_VERSION):
@@ -297,22 +382,29 @@ def parse_dump(tree: Any, path: Path, rank: int) -> Dump:
     raw_entries = tree.get("entries", [])  # (absent when the recorder had none)
     if not isinstance(raw_entries, list):
         raise InputError(f"{path}: 'entries' is not a list")
-    entries = [_entry(raw, path, i) for i, raw in enumerate(raw_entries)]
+    if len(raw_entries) > MAX_ENTRIES:
+        raise InputError(
+            f"{path}: {len(raw_entries)} entries, more than a flight recorder keeps ({MAX_ENTRIES})"
+        )
+    seen: dict[Any, Any] = {}
+    entries = [_entry(raw, path, i, seen) for i, raw in enumerate(raw_entries)]
     last_completed: dict[int, int] = {}
     status = tree.get("pg_status")
     for key, value in status.items() if isinstance(status, dict) else ():
         if isinstance(value, dict) and "last_completed_collective" in value:
-            try:
-                last_completed[int(key)] = int(value["last_completed_collective"])
-            except (TypeError, ValueError):
-                continue
+            number = value["last_completed_collective"]
+            if isinstance(key, (str, int)) and not isinstance(key, bool) and _small(number):
+                try:
+                    last_completed[_int(key, "a pg_status key", path)] = int(number)
+                except InputError:
+                    continue
     pg_ranks: dict[str, list[int]] = {}
     config = tree.get("pg_config")
     for key, value in config.items() if isinstance(config, dict) else ():
         if isinstance(key, str) and isinstance(value, dict):
-            pg_ranks[key] = _ranks(value.get("ranks"))
+            pg_ranks[clean(key, 200)] = _ranks(value.get("ranks"))
     wrapped = bool(entries) and entries[0].record_id > 0
-    return Dump(rank, str(path), version, entries, last_completed, pg_ranks, wrapped)
+    return Dump(rank, clean(str(path)), clean(version, 20), entries, last_completed, pg_ranks, wrapped)
 
 
 def dumps_in(files: Mapping[str, bytes]) -> list[Dump]:
@@ -326,12 +418,39 @@ def dumps_in(files: Mapping[str, bytes]) -> list[Dump]:
     return [dumps[r] for r in sorted(dumps)]
 
 
-def read_dumps(paths: list[str]) -> list[Dump]:
-    """Every dump named (files or folders), one per rank, sorted by rank."""
+def _head(path: Path) -> bytes:
+    """The first bytes of a file (empty when unreadable: the full read says why)."""
+    try:
+        with open(path, "rb") as stream:
+            return stream.read(64)
+    except OSError:
+        return b""
+
+
+def read_dumps(paths: list[str]) -> Dumps:
+    """Every dump named (files or folders), one per rank, sorted by rank. A file found in a
+    folder that is no dump at all (``slurm-1234.out``) is skipped with a note (``skipped``);
+    one named alone is refused."""
     dumps: dict[int, Dump] = {}
+    skipped: list[str] = []
+    named = {Path(p) for p in paths}
     for path in dump_files(paths):
         rank = rank_of(path)
+        alone = path in named
+        head = _head(path).lstrip()[:1]
+        if not alone and head and head not in (b"\x80", b"{", b"["):
+            skipped.append(f"{clean(path.name, 200)}: not a flight-recorder dump (neither a pickle nor JSON)")
+            continue
+        try:
+            dump = parse_dump(load_tree(path), path, rank)
+        except NotADump as exc:
+            if alone:
+                raise
+            skipped.append(f"{clean(path.name, 200)}: {str(exc).split(': ', 1)[-1]}")
+            continue
         if rank in dumps:
             raise InputError(f"{path}: a second dump of rank {rank} (the first: {dumps[rank].path})")
-        dumps[rank] = parse_dump(load_tree(path), path, rank)
-    return [dumps[r] for r in sorted(dumps)]
+        dumps[rank] = dump
+    if not dumps:
+        raise InputError(clean(f"{', '.join(paths)}: no flight-recorder dump ({'; '.join(skipped)})", 300))
+    return Dumps([dumps[r] for r in sorted(dumps)], skipped)

@@ -10,21 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.findings import Finding
-from gpudiag.hang.analysis import ABSENT, Analysis, GroupHang
+from gpudiag.hang.blame import line as _line
+from gpudiag.hang.blame import ranks as _ranks
+from gpudiag.hang.blame import root_findings as _root_findings
 from gpudiag.hang.frames import user_frames, where
+from gpudiag.hang.groups import Analysis, GroupHang, mesh_dim, span
 from gpudiag.hang.reader import Entry, Frame, frames_of
 
 SCHEMA = "gpudiag.hang/1"
 #: verdict → exit code (0 nothing wrong, 1 a hang found, 3 undecided).
 EXIT = {"healthy": 0, "stuck": 1, "rank-missing": 1, "undecided": 3}
-
-
-def _ranks(ranks: list[int]) -> str:
-    words = [str(r) for r in ranks]
-    if not words:
-        return "no rank"
-    text = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
-    return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
 def _current(a: Analysis, rank: int) -> Entry | None:
@@ -33,14 +28,6 @@ def _current(a: Analysis, rank: int) -> Entry | None:
     dump = a.dumps.get(rank)
     last = dump.entries[-1] if dump is not None and dump.entries else None
     return a.blocked.get(rank) or a.p2p_pending.get(rank) or last
-
-
-def _line(entry: Entry | None) -> str | None:
-    if entry is None:
-        return None
-    line, caller = user_frames(entry.frames)
-    shown = where(line)
-    return f"{shown}, called from {where(caller)}" if shown and caller else shown
 
 
 @dataclass
@@ -77,11 +64,15 @@ class HangResult:
         collective = None
         if root is not None:
             collective = {
-                "group": root.label,
+                "group": root.name,
+                "members": span(root.members),
+                "mesh_dim": mesh_dim(root.desc),
                 "seq": root.seq,
-                "op": root.expected,
+                "op": root.op,
                 "ranks_in": root.ranks_in(),
-                "never_entered": sorted(r for r, s in root.states.items() if s != root.expected),
+                "never_entered": sorted(r for r, s in root.states.items() if s != root.op),
+                "finished": root.finished,
+                "how": root.how,
             }
         return {
             "schema": SCHEMA,
@@ -95,6 +86,7 @@ class HangResult:
             "lines": {str(r): line for r, line in sorted(self.lines().items())},
             "ranks": self.rows(),
             "findings": [f.to_json() for f in self.findings],
+            "skipped": a.skipped,
         }
 
     def _rank_row(self, rank: int) -> dict[str, Any]:
@@ -106,7 +98,7 @@ class HangResult:
         row: dict[str, Any] = {"rank": rank, "dump": dump.path, "wrapped": dump.wrapped}
         if entry is not None:
             row.update(
-                group=entry.desc or entry.group,
+                group=entry.desc if entry.desc and entry.desc != "undefined" else f"group {entry.group}",
                 seq=entry.seq,
                 op=entry.op,
                 sizes=entry.input_sizes,
@@ -121,8 +113,21 @@ class HangResult:
         return False
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per rank of the job: its dump, group, collective, sizes, state, line."""
-        return [self._rank_row(r) for r in range(self.analysis.world_size)]
+        """One row per rank of the job: its dump, group, collective, sizes, state, line; a
+        run of ranks without a dump is one row (``rank`` the first, ``through`` the last)."""
+        out: list[dict[str, Any]] = []
+        dumps = self.analysis.dumps
+        ranks = sorted(dumps)
+        start = 0
+        for rank in [*ranks, self.analysis.world_size]:
+            if rank > start:  # ranks start..rank-1 left no dump
+                out.append(
+                    {"rank": start, "dump": None, **({"through": rank - 1} if rank - 1 > start else {})}
+                )
+            if rank < self.analysis.world_size:
+                out.append(self._rank_row(rank))
+            start = rank + 1
+        return out
 
 
 #: Largest stacks file read (``stacks/rank<R>.json``), in bytes.
@@ -172,13 +177,23 @@ def judge(
     for h in a.hangs:
         if h.cause is not None:
             cause = next(x for x in a.hangs if x.group == h.cause)
+            where_ = sorted(
+                {f"{_label(a, a.blocked[r].group)} #{a.blocked[r].seq}" for r in h.absent() if r in a.blocked}
+            )
             findings.append(
                 Finding(
                     "hang-consequence",
                     "warning",
-                    f"{h.label} collective #{h.seq} waits for {_ranks(h.absent())}, blocked in {cause.label} "
-                    f"collective #{cause.seq}: a consequence, not the cause",
-                    {"group": h.label, "seq": h.seq, "waits_for": h.absent(), "cause_group": cause.label},
+                    f"{h.label} collective #{h.seq} waits for {_ranks(h.absent())}, blocked in "
+                    f"{', '.join(where_)}: a consequence of {cause.label} collective #{cause.seq}, "
+                    "not the cause",
+                    {
+                        "group": h.name,
+                        "members": span(h.members),
+                        "seq": h.seq,
+                        "waits_for": h.absent(),
+                        "cause_group": cause.name,
+                    },
                 )
             )
     if root is not None:
@@ -245,6 +260,23 @@ def judge(
                 fix="compare the peers' stacks (gpudiag run writes them) or py-spy dump --pid each rank",
             )
         )
+    elif a.unrecorded:
+        verdict = "undecided"
+        ran = ", ".join(f"rank {r}: {n}" for r, n in sorted(a.unrecorded.items()))
+        summary = (
+            f"Every recorded collective completed, but the dumps' operation ids show operations no entry "
+            f"lists ({ran}): point-to-point send/recv, which gloo does not record. A rank may be waiting "
+            "in a recv whose peer never sends; the dumps cannot tell."
+        )
+        findings.append(
+            Finding(
+                "hang-p2p-unrecorded",
+                "info",
+                summary,
+                {"ranks": {str(r): n for r, n in sorted(a.unrecorded.items())}},
+                fix="see the stacks (gpudiag run writes them) or py-spy dump each rank",
+            )
+        )
     else:
         verdict = "healthy"
         summary = f"Healthy: every recorded collective of the {len(a.dumps)} dumps completed on every member."
@@ -273,6 +305,17 @@ def judge(
                 fix="see the stacks (gpudiag run writes them) or py-spy dump each rank",
             )
         )
+    if a.skipped:
+        findings.append(
+            Finding(
+                "hang-dump-left-out",
+                "warning",
+                f"{len(a.skipped)} file{'s' if len(a.skipped) > 1 else ''} not judged: "
+                + "; ".join(a.skipped),
+                {"files": a.skipped},
+                fix="give one run's dumps (a folder per run)",
+            )
+        )
     wrapped = sorted(r for r, d in a.dumps.items() if d.wrapped)
     if wrapped:
         findings.append(
@@ -287,112 +330,11 @@ def judge(
     return HangResult(verdict, root, a, findings, summary)
 
 
-def _root_findings(a: Analysis, root: GroupHang, findings: list[Finding]) -> str:
-    """Findings about the root-cause collective; returns the summary paragraph."""
-    head = f"{root.label} collective #{root.seq}"
-    ins = root.ranks_in()
-
-    def line_of(rank: int) -> str:
-        shown = _line(root.entries.get(rank))
-        return f" ({shown})" if shown else ""
-
-    if root.expected is None:
-        sides = ", ".join(f"{_ranks([r])}: {s}" for r, s in sorted(root.states.items()))
-        unknown = f"; {_ranks(root.missing)} left no dump" if root.missing else ""
-        summary = f"{head}: the members split evenly ({sides}){unknown}; a tie names no culprit."
-        findings.append(Finding("hang-tie", "error", summary, {"group": root.label, "seq": root.seq}))
-        return summary
-    in_lines = sorted({_line(root.entries[r]) or "" for r in ins} - {""})
-    verb = "is" if len(ins) == 1 else "are"
-    in_text = f"{_ranks(ins)} {verb} in {root.expected}" + (f" ({', '.join(in_lines)})" if in_lines else "")
-    parts = []
-    missing = set(root.missing)  # (a list: a rank looked up in it per culprit took O(n²))
-    for rank in root.culprits:
-        state = root.states.get(rank)
-        if rank in missing:
-            msg = (
-                f"{_ranks([rank])} left no dump (dead, or killed before dumping) while {in_text}; "
-                "its sizes and line cannot be known."
-            )
-            findings.append(
-                Finding(
-                    "hang-rank-missing",
-                    "error",
-                    msg,
-                    {"rank": rank, "group": root.label, "seq": root.seq},
-                    fix="look at that rank's log (crash, OOM kill, lost node)",
-                )
-            )
-        elif state == ABSENT:
-            blocked = a.blocked.get(rank)
-            last = [e for e in a.dumps[rank].entries if e.group == root.group]
-            done = (
-                f"its last {root.label} collective (#{last[-1].seq}) completed"
-                if last
-                else "it recorded none"
-            )
-            if blocked is not None:
-                group = blocked.desc or blocked.group
-                where_ = f"it is blocked in {group} collective #{blocked.seq} ({blocked.op})"
-                shown = _line(blocked)
-                msg = (
-                    f"{_ranks([rank])} never entered {head} while {in_text}; {where_}"
-                    + (f" at {shown}" if shown else "")
-                    + "."
-                )
-            else:
-                stack = a.stacks.get(rank)
-                now = (
-                    (
-                        "it reached the end of the script"
-                        if stack.line == 0
-                        else f"its Python stack is at {where(stack)}"
-                    )
-                    if stack
-                    else "it is outside communication (compute, I/O, or a branch that skipped the collective)"
-                )
-                msg = f"{_ranks([rank])} never entered {head} while {in_text}; {done} and it is in no "
-                msg += f"collective: {now}."
-            findings.append(
-                Finding(
-                    "hang-never-entered",
-                    "error",
-                    msg,
-                    {
-                        "rank": rank,
-                        "group": root.label,
-                        "seq": root.seq,
-                        "blocked_elsewhere": blocked is not None,
-                    },
-                    fix=None
-                    if blocked is not None or rank in a.stacks
-                    else f"run py-spy dump --pid <pid of rank {rank}> to see its line",
-                )
-            )
-        elif root.expected == ABSENT:
-            msg = f"{_ranks([rank])} called {state}{line_of(rank)} as {head}, which the others never call."
-            findings.append(
-                Finding(
-                    "hang-extra-collective",
-                    "error",
-                    msg,
-                    {"rank": rank, "group": root.label, "seq": root.seq},
-                )
-            )
-        else:
-            msg = (
-                f"{_ranks([rank])} called {state}{line_of(rank)} as {head} while {in_text}; "
-                f"it never entered that {root.expected}."
-            )
-            findings.append(
-                Finding(
-                    "hang-diverged",
-                    "error",
-                    msg,
-                    {"rank": rank, "group": root.label, "seq": root.seq, "op": state},
-                )
-            )
-        parts.append(msg)
-    if not root.culprits:
-        return f"{head} is pending and no member diverged."
-    return " ".join(parts)
+def _label(a: Analysis, group: str) -> str:
+    """A group's label (its ranks, its mesh dimension) where it hangs, else its name."""
+    hang = next((h for h in a.hangs if h.group == group), None)
+    if hang is not None:
+        return hang.label
+    entry = next((e for d in a.dumps.values() for e in d.entries if e.group == group), None)
+    desc = entry.desc if entry is not None else ""
+    return desc if desc and desc != "undefined" else f"group {group}"

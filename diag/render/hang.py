@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from gpudiag.render import jsonout
-
 
 def _text(result: Any) -> str:
     out = [result.summary, ""]
@@ -14,7 +12,8 @@ def _text(result: Any) -> str:
     out.append(header)
     for row in result.rows():
         if row.get("dump") is None:
-            out.append(f"{row['rank']:>4}  (no dump)")
+            first = f"{row['rank']}-{row['through']}" if "through" in row else str(row["rank"])
+            out.append(f"{first:>4}  (no dump)")
         elif "op" not in row:
             out.append(f"{row['rank']:>4}  (no collective recorded)")
         else:
@@ -40,8 +39,9 @@ def _markdown(result: Any) -> str:
     out.append("|---|---|---|---|---|---|")
     for row in result.rows():
         if "op" not in row:
+            first = f"{row['rank']}-{row['through']}" if "through" in row else str(row["rank"])
             out.append(
-                f"| {row['rank']} | (no dump) | | | | |"
+                f"| {first} | (no dump) | | | | |"
                 if row.get("dump") is None
                 else f"| {row['rank']} | | | | | |"
             )
@@ -56,13 +56,38 @@ def _markdown(result: Any) -> str:
     return "\n".join(out) + "\n"
 
 
+def _fits(text: str, stream: TextIO) -> bool:
+    """Whether ``stream``'s encoding (an ASCII terminal's, ``PYTHONIOENCODING``) can write ``text``."""
+    try:
+        text.encode(getattr(stream, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def _write(text: str, stream: TextIO) -> None:
+    """Write the whole of ``text`` in one go, names the stream cannot encode escaped
+    (``tr\\xe1in.py``): nothing is half-written (a dump's names are the user's, any script)."""
+    if not _fits(text, stream):
+        text = text.encode("ascii", "backslashreplace").decode("ascii")
+    stream.write(text)
+
+
 def text(result: Any, stream: TextIO) -> None:
-    stream.write(_text(result))
+    _write(_text(result), stream)
 
 
 def markdown(result: Any, stream: TextIO) -> None:
-    stream.write(_markdown(result))
+    _write(_markdown(result), stream)
 
 
 def json(result: Any, stream: TextIO) -> None:
-    jsonout.write(result.to_json(), stream)
+    """The verdict's ``to_json()``, made whole before it is written; ``\\u`` escapes where
+    the stream cannot encode a name (still the same JSON)."""
+    import json as _json
+
+    document = result.to_json()
+    out = _json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    if not _fits(out, stream):
+        out = _json.dumps(document, indent=2, ensure_ascii=True) + "\n"
+    stream.write(out)

@@ -50,13 +50,20 @@ def test_skipped_all_reduce_names_the_rank_the_collective_and_the_line(fmt: str)
     code, out = run(str(GLOO / "skip" / fmt))
     assert code == 1 and out["schema"] == "gpudiag.hang/1" and out["verdict"] == "stuck"
     assert out["culprit_ranks"] == [2] and out["stuck_ranks"] == [0, 1, 2]
-    assert out["collective"] == {
-        "group": "default_pg",
-        "seq": 3,
-        "op": "all_reduce",
-        "ranks_in": [0, 1],
-        "never_entered": [2],
-    }
+    assert (
+        out["collective"]
+        | {
+            "group": "default_pg",
+            "members": "0-2",
+            "mesh_dim": None,
+            "seq": 3,
+            "op": "all_reduce",
+            "ranks_in": [0, 1],
+            "never_entered": [2],
+            "finished": [],
+        }
+        == out["collective"]
+    )
     if fmt == "pickle":  # (JSON dumps carry no frames)
         assert out["lines"] == {
             "0": line_of("skip", "dist.all_reduce(x)"),
@@ -123,13 +130,17 @@ def test_a_rank_waiting_in_a_recv_whose_peer_never_sends_is_not_called_healthy(f
     code, out = run(str(GLOO / "p2p" / fmt))
     assert code == 1 and out["verdict"] == "stuck", out["summary"]
     assert out["culprit_ranks"] == [1] and out["stuck_ranks"] == [0, 2]
-    assert out["collective"] == {
-        "group": "default_pg",
-        "seq": 3,
-        "op": "all_reduce",
-        "ranks_in": [0, 2],
-        "never_entered": [1],
-    }
+    assert (
+        out["collective"]
+        | {
+            "group": "default_pg",
+            "seq": 3,
+            "op": "all_reduce",
+            "ranks_in": [0, 2],
+            "never_entered": [1],
+        }
+        == out["collective"]
+    )
     codes = [f["code"] for f in out["findings"]]
     assert codes == ["hang-never-entered", "hang-p2p-unrecorded"]
     assert out["findings"][1]["evidence"]["ranks"] == {"0": 2, "1": 2}  # two sends, two recvs each
@@ -258,9 +269,9 @@ def test_every_finding_code_is_documented_and_the_docs_example_is_real_output() 
     import re
 
     docs = (ROOT / "docs" / "findings.md").read_text()
-    source = (ROOT / "diag" / "hang" / "result.py").read_text()
+    source = "".join((ROOT / "diag" / "hang" / name).read_text() for name in ("result.py", "blame.py"))
     codes = set(re.findall(r'"(hang-[a-z-]+)"', source))
-    assert len(codes) == 9 and all(f"### `{code}`" in docs for code in codes)
+    assert len(codes) == 11 and all(f"### `{code}`" in docs for code in codes)
     page = (ROOT / "docs" / "hang.md").read_text()
     for scenario in ("skip", "subgroup"):
         command = f"$ gpudiag hang tests/data/fr/gloo/{scenario}/pickle\n"

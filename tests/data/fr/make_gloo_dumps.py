@@ -174,6 +174,77 @@ def p2p(rank: int, ws: int, dist, torch) -> None:  # rank 0 skips its last send;
 SCENARIOS["p2p"] = (p2p, 3, 100)  # gloo records no send/recv entry; their op_ids show
 
 
+# -- the layouts of issue 43 (below the others, so their stored dumps' lines stay this file's) --
+
+
+def bcast_root(rank: int, ws: int, dist, torch) -> None:  # rank 2 names itself the broadcast's root
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    dist.broadcast(x, src=2 if rank == 2 else 0)
+    dist.all_reduce(x)
+    dist.barrier()
+
+
+def bcast_obj(rank: int, ws: int, dist, torch) -> None:  # broadcast_object_list behind a per-rank condition
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    objects = [{"step": 1}]
+    if rank != 2:  # rank 2 never calls it
+        dist.broadcast_object_list(objects, src=0)
+    dist.all_reduce(x)
+    dist.barrier()
+
+
+def _grid_loop(rank: int, dist, torch, tp, dp) -> None:
+    x = torch.ones(4)
+    for step in range(3):
+        if not (rank == 3 and step == 2):  # rank 3 skips its last tp all_reduce
+            dist.all_reduce(x, group=tp)
+        dist.all_reduce(x, group=dp)
+    dist.barrier()
+
+
+def mesh2d(rank: int, ws: int, dist, torch) -> None:  # a 2 x 2 DeviceMesh (dp, tp)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    _grid_loop(rank, dist, torch, mesh.get_group("tp"), mesh.get_group("dp"))
+
+
+def grid2d(rank: int, ws: int, dist, torch) -> None:  # the same 2 x 2 layout from new_group, no names
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    _grid_loop(rank, dist, torch, tps[rank // 2], dps[rank % 2])
+
+
+def pair_outside(rank: int, ws: int, dist, torch) -> None:  # 2 ranks: rank 1 computes, rank 0 waits
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if rank == 1:
+        time.sleep(60)  # outside any collective
+    dist.all_reduce(x)
+
+
+def p2p_deadlock(rank: int, ws: int, dist, torch) -> None:  # both ranks recv first: neither sends
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if rank == 0:  # one exchange that works: it takes an op_id, which no entry lists
+        dist.send(x, 1)
+    else:
+        dist.recv(x, 0)
+    dist.all_reduce(x)
+    dist.recv(x, 1 - rank)
+    dist.send(x, 1 - rank)
+
+
+SCENARIOS["bcast_root"] = (bcast_root, 3, 100)
+SCENARIOS["bcast_obj"] = (bcast_obj, 3, 100)
+SCENARIOS["mesh2d"] = (mesh2d, 4, 100)
+SCENARIOS["grid2d"] = (grid2d, 4, 100)
+SCENARIOS["pair_outside"] = (pair_outside, 2, 100)
+SCENARIOS["p2p_deadlock"] = (p2p_deadlock, 2, 100)
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     for name in sys.argv[2:] or list(SCENARIOS):
