@@ -70,13 +70,14 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
     hosts = _rank_hosts(log)
     shared = _shared_names(log, hosts)
     trusted = {rank: (host if host not in shared else None) for rank, host in hosts.items()}
-    busid = log.bracket_kind == "busid"
     groups: dict[tuple[Any, ...], list[Connection]] = {}
     for conn in log.connections:
-        key = (conn.from_rank, conn.to_rank, conn.from_bracket, conn.to_bracket, conn.transport)
+        kind = log.kind_of(conn)
+        key = (conn.from_rank, conn.to_rank, conn.from_bracket, conn.to_bracket, conn.transport, kind)
         groups.setdefault(key, []).append(conn)
     pairs = []
-    for (a, b, abr, bbr, family), conns in groups.items():
+    for (a, b, abr, bbr, family, kind), conns in groups.items():
+        busid = kind == "busid"
         raws = Counter(c.raw for c in conns)
         from_host, to_host = trusted.get(a), trusted.get(b)
         if not family.startswith("NET/"):  # (P2P and SHM join two GPUs of one host)
