@@ -98,6 +98,8 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
                 lines=sorted({c.line for c in conns}),
                 conns=sorted({c.conn or 0 for c in conns}),
                 pids=sorted({c.pid for c in conns if c.pid is not None}),
+                sides=_sides(conns),
+                origins=sorted({(c.source, c.host) for c in conns}, key=str),
             )
         )
     pairs.sort(key=lambda p: (p.from_rank, p.to_rank, p.transport))
@@ -106,6 +108,16 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
         for name in sorted(shared)
     ]
     return pairs, notes
+
+
+def _sides(conns: list[Connection]) -> dict[str, list[str]]:
+    """Each end's distinct transport texts (``""`` for lines that name no side)."""
+    out: dict[str, list[str]] = {}
+    for conn in conns:
+        raws = out.setdefault(conn.side or "", [])
+        if conn.raw not in raws and len(raws) < 8:
+            raws.append(conn.raw)
+    return out
 
 
 def _nvml_indexes(log: NcclLog) -> dict[tuple[int, int], int | None]:
@@ -165,7 +177,7 @@ def analyze(log: NcclLog, topology: Topology | None = None) -> TransportReport:
     pairs, notes = _pairs(log)
     if topology is not None:
         _place(pairs, topology, log)
-    findings = transport_findings(log, pairs)
+    findings = transport_findings(log, pairs, topology is not None)
     return TransportReport(
         log=log,
         pairs=pairs,

@@ -173,6 +173,8 @@ class NcclLog:
     inits: list[RankInit] = field(default_factory=list)
     nnodes: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: NCCL's ``GPU Direct RDMA Enabled/Disabled for …`` lines (the text after ``NCCL INFO``)
+    gdr_lines: list[str] = field(default_factory=list)
     #: NCCL WARN lines in all (``warnings`` keeps the distinct messages, at most MAX_FACTS)
     warn_lines: int = 0
     bracket_kind: str = "device"  # "device" | "busid" | "mixed": what the brackets hold
@@ -439,6 +441,8 @@ def _read_facts(log: NcclLog, line: str, record: Record, name: str | None) -> No
             log.inits.append(init)
     if "nNodes" in line and (match := _NNODES.search(line)):
         log.add_once(log.nnodes, int(match["nnodes"]))
+    if "GPU Direct RDMA" in line:
+        log.add_once(log.gdr_lines, line[line.find("GPU Direct RDMA") :][:300])
     if "WARN" in line and (match := _WARN.search(line)):
         log.warn_lines += 1
         log.add_once(log.warnings, match["msg"].strip()[:300])
