@@ -44,8 +44,8 @@ def _without_gdr(pair: Pair) -> bool:
     default on PCIe GPUs (``NCCL_NET_GDR_READ``): shown, not warned about."""
     receive = pair.sides.get("receive")
     if receive:
-        return any(not raw.endswith("/GDRDMA") for raw in receive)
-    return any(not raw.endswith("/GDRDMA") for raws in pair.sides.values() for raw in raws)
+        return any("/GDRDMA" not in raw for raw in receive)
+    return any("/GDRDMA" not in raw for raws in pair.sides.values() for raw in raws)
 
 
 def gdr_findings(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
@@ -70,7 +70,7 @@ def gdr_findings(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
         "the NIC far from the GPU (another PCIe switch or CPU socket: PHB/NODE/SYS in "
         "`nvidia-smi topo -m`'s NIC columns), beyond NCCL's default GDR distance",
     ]
-    one_sided = [p for p in slow if any(raw.endswith("/GDRDMA") for raws in p.sides.values() for raw in raws)]
+    one_sided = [p for p in slow if any("/GDRDMA" in raw for raws in p.sides.values() for raw in raws)]
     tail = f"; the two ends disagree on {_names(one_sided)}" if one_sided else ""
     return [
         Finding(
@@ -131,15 +131,18 @@ def needs_topology(log: NcclLog, pairs: list[Pair], has_topology: bool) -> list[
             "only the topology of their host can tell",
             {"pairs": _evidence(shm), "forcing_settings": forcing},
             cause=cause,
-            fix="give the topology of the host the log came from: `nvidia-smi topo -m > topo.txt` there, then "
-            "`gpudiag transport --from-log LOG --machine topo.txt` (or run `gpudiag transport` on that host)",
+            fix="give the topology of the host the log came from: `nvidia-smi topo -m > topo.txt` there, "
+            "then `gpudiag transport --from-log LOG --machine topo.txt` "
+            "(or run `gpudiag transport` on that host)",
         )
     ]
 
 
 #: NCCL WARN texts about its shared memory segment (a full or missing /dev/shm).
 _SHM_FAILED = re.compile(
-    r"shared memory|/dev/shm|shm_open|posix_fallocate|No space left on device|Bus error", re.IGNORECASE
+    r"shared memory|/dev/shm|shm_open|No space left on device|Bus error"
+    r"|Call to (?:open|ftruncate|mmap|posix_fallocate|unlink) failed",
+    re.IGNORECASE,
 )
 #: Other known WARN texts: (pattern, what it means, what to do).
 _KNOWN = (

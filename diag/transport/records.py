@@ -37,10 +37,15 @@ _CONTROL_IN_TEXT = re.compile(
 _BREAK = re.compile(r"\r\n|\r|\n")
 #: A line that starts with NCCL's prefix (the usual case, read without looking back).
 _PREFIX = re.compile(
-    r"([^\s:]{0,255}+):(\d{1,12}+):\d{1,12}+[ \t]{1,16}+\[\d{1,6}+\][ \t]{1,16}+NCCL[ \t]{1,4}+"
-    r"(?:INFO|WARN|TRACE|ABORT)\b"
-)  #: The part of NCCL's prefix after ``host:pid:tid``: `` [dev] NCCL INFO``.
-_MARK = re.compile(r"\[\d{1,6}+\][ \t]{1,16}+NCCL[ \t]{1,4}+(?:INFO|WARN|TRACE|ABORT)\b")
+    r"([^\s:]{0,255}+):(\d{1,12}+):\d{1,12}+[ \t]{1,16}+\[\d{1,6}+\][ \t]{1,16}+"
+    r"(?:[\w./-]{1,80}+:\d{1,6}+[ \t]{1,4}+)?NCCL[ \t]{1,4}+(?:INFO|WARN|TRACE|ABORT)\b"
+)
+#: The part of NCCL's prefix after ``host:pid:tid``: `` [dev] NCCL INFO`` (WARN lines put
+#: the source location before ``NCCL``: `` [1] include/shm.h:28 NCCL WARN``).
+_MARK = re.compile(
+    r"\[\d{1,6}+\][ \t]{1,16}+(?:[\w./-]{1,80}+:\d{1,6}+[ \t]{1,4}+)?"
+    r"NCCL[ \t]{1,4}+(?:INFO|WARN|TRACE|ABORT)\b"
+)
 #: ``host:pid:tid`` and its space, read backwards from a mark (on the reversed text).
 _BACK = re.compile(r"[ \t]{1,16}+(\d{1,12}+):(\d{1,12}+):([^\s:]{0,255}+)")
 #: How far before a mark its ``host:pid:tid`` may start.
