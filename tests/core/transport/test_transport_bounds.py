@@ -47,8 +47,9 @@ def test_the_exponential_line_of_issue_44_is_linear() -> None:
 
 
 def test_many_distinct_hosts_are_read_and_anonymised_in_bounded_time() -> None:
-    """20,000 host names (50,000 took 49 s before; the bench reads 50,000): each name's first-seen check and its pseudonym are
-    O(1); the anonymiser looks at each distinct word once."""
+    """20,000 host names (50,000 took 49 s before; the bench reads 50,000): each name's
+    first-seen check and its pseudonym are O(1); the anonymiser looks at each distinct word
+    once."""
     text = many_hosts(20_000)
     start = time.perf_counter()
     log = read_log([(text, "hosts.log")])
