@@ -2,10 +2,11 @@
 — each aimed at one of its regular expressions or loops — and a log of 50,000 distinct host
 names are read, analysed and (for ``report --nccl-log``) bundled in bounded time.
 
-Measured on the 2-core VM (bench/transport_hostile.py, loaded by other jobs): each 1 MB case
-0.06–0.9 s (the slowest, 17,000 records merged on one line); before the fix the 51-byte
-``Ring 0 : <22 digits>x`` line alone took 0.7 s and doubled with each digit. The bounds
-below are more than 10x those figures: they catch a hang or a quadratic, not a slow machine.
+Measured on the 2-core VM (bench/transport_hostile.py) at load average 5: each 1 MB case
+0.06–0.9 s (the slowest, 17,000 records merged on one line); at load average 14, 0.16–5.8 s.
+Before the fix the 51-byte ``Ring 0 : <22 digits>x`` line alone took 0.7 s and doubled with
+each digit; a quadratic scan of 1 MB takes minutes. The bounds below are more than 10x the
+figures at load 5: they catch a hang or a quadratic, not a slow machine.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gpudiag.transport.reader import read_log
 from tests.helpers.nccl_hostile import HOSTILE, MIB, many_hosts
 
 #: Seconds one hostile 1 MB input may take to be read and analysed (measured ≤ 0.9 s).
-BOUND = 10.0
+BOUND = 20.0
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
