@@ -107,7 +107,29 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
         f"the host name {name!r} stands for more than one machine (anonymised or shared)"
         for name in sorted(shared)
     ]
-    return pairs, notes
+    return pairs, notes + _runs_notes(log)
+
+
+def _runs_notes(log: NcclLog) -> list[str]:
+    """Notes when the input holds more than one NCCL run: several NCCL versions, or one
+    connection line printed by two processes (two jobs, or communicators numbering their
+    ranks anew): its pairs are then those of all of them, each line read as its process
+    printed it."""
+    notes = []
+    if len(log.versions) > 1:
+        notes.append(f"the input holds more than one NCCL run (versions {', '.join(log.versions[:4])})")
+    printers: dict[tuple[Any, ...], set[tuple[Any, ...]]] = {}
+    for c in log.connections:
+        key = (c.printer_rank, c.from_rank, c.to_rank, c.channel, c.conn, c.side)
+        printers.setdefault(key, set()).add((c.source, c.host, c.pid))
+    twice = sorted({key[0] for key, seen in printers.items() if len(seen) > 1})
+    if twice:
+        shown = ", ".join(str(r) for r in twice[:8]) + (" …" if len(twice) > 8 else "")
+        notes.append(
+            f"rank(s) {shown} printed the same connection from two processes: the input holds more "
+            "than one job (or communicators numbering their ranks anew); the pairs are all of theirs"
+        )
+    return notes
 
 
 def _sides(conns: list[Connection]) -> dict[str, list[str]]:

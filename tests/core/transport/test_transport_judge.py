@@ -242,3 +242,14 @@ def test_control_characters_are_escaped_in_every_format() -> None:
         assert not any(ch in raw for ch in "\x1b\x07\x08\x9b"), fmt
         if fmt == "json":
             assert "\\u001b" not in raw and "\\u0007" not in raw
+
+
+def test_two_runs_in_one_file_get_a_note() -> None:
+    """Synthetic: one job's lines logged twice by two runs (other pids, another NCCL version)."""
+    first = "NCCL version 2.18.1+cuda12.1\nh:11:12 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n"
+    second = "NCCL version 2.21.5+cuda12.4\nh:21:22 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n"
+    rep = report(text=first + second)
+    notes = " ".join(rep.host_notes)
+    assert "more than one NCCL run (versions 2.18.1, 2.21.5)" in notes
+    assert "rank(s) 0 printed the same connection from two processes" in notes
+    assert report(text=first).host_notes == []
