@@ -74,6 +74,11 @@ def _summary(report: Any) -> list[str]:
         )
     if log.ib_devices:
         lines.append(f"InfiniBand devices: {', '.join(log.ib_devices)}")
+    nvls = getattr(log, "collnet_nvls", [])
+    if nvls:
+        lines.append(
+            f"NVLS/CollNet: {nvls[0]}" + (f" (and {len(nvls) - 1} more such lines)" if len(nvls) > 1 else "")
+        )
     lines += getattr(log, "notes", [])
     lines += report.host_notes
     lines += getattr(report, "notes", [])

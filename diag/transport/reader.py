@@ -175,6 +175,8 @@ class NcclLog:
     warnings: list[str] = field(default_factory=list)
     #: NCCL's ``GPU Direct RDMA Enabled/Disabled for …`` lines (the text after ``NCCL INFO``)
     gdr_lines: list[str] = field(default_factory=list)
+    #: NVLS and CollNet lines (NVLink SHARP, in-network reduction), the text after ``NCCL INFO``
+    collnet_nvls: list[str] = field(default_factory=list)
     #: NCCL WARN lines in all (``warnings`` keeps the distinct messages, at most MAX_FACTS)
     warn_lines: int = 0
     bracket_kind: str = "device"  # "device" | "busid" | "mixed": what the brackets hold
@@ -441,6 +443,9 @@ def _read_facts(log: NcclLog, line: str, record: Record, name: str | None) -> No
             log.inits.append(init)
     if "nNodes" in line and (match := _NNODES.search(line)):
         log.add_once(log.nnodes, int(match["nnodes"]))
+    if ("NVLS" in line or "CollNet" in line or "nvls channels" in line) and "set by environment" not in line:
+        start = line.find("NCCL INFO")
+        log.add_once(log.collnet_nvls, (line[start + 10 :] if start >= 0 else line)[:200], limit=16)
     if "GPU Direct RDMA" in line:
         log.add_once(log.gdr_lines, line[line.find("GPU Direct RDMA") :][:300])
     if "WARN" in line and (match := _WARN.search(line)):

@@ -160,6 +160,7 @@ class TransportReport:
             "nccl_warnings": list(log.warnings),
             "nccl_warn_lines": log.warn_lines,
             "gdr_lines": list(log.gdr_lines),
+            "collnet_nvls": list(log.collnet_nvls),
             "notes": [*log.notes, *self.host_notes, *self.notes],
             "findings": [f.to_json() for f in self.findings],
         }

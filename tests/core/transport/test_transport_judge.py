@@ -253,3 +253,18 @@ def test_two_runs_in_one_file_get_a_note() -> None:
     assert "more than one NCCL run (versions 2.18.1, 2.21.5)" in notes
     assert "rank(s) 0 printed the same connection from two processes" in notes
     assert report(text=first).host_notes == []
+
+
+def test_two_h800s_of_one_host_over_shm_get_no_all_clear() -> None:
+    """NVIDIA/nccl#1609: SHM between devices 6 and 7 of one host, no topology (exit 3)."""
+    rep = report("nccl1609_h800_shm_one_host_cvd.log")
+    assert [(p.from_rank, p.to_rank, p.transport) for p in rep.pairs] == [(2, 3, "SHM"), (3, 2, "SHM")]
+    assert [f.code for f in rep.findings] == ["nccl-needs-topology"] and rep.exit_code() == 3
+
+
+def test_nvls_lines_are_shown() -> None:
+    """NVIDIA/nccl-tests#213: `NVLS comm … nHeads 8` beside P2P/direct pointer pairs."""
+    rep = report("nccl_tests213_nvls_comm_direct_pointer.log")
+    assert rep.log.collnet_nvls[0].startswith("NVLS comm 0x55a7be5601c0 headRank 0 nHeads 8")
+    result = run("--from-log", str(NCCL / "nccl_tests213_nvls_comm_direct_pointer.log"))
+    assert "NVLS/CollNet: NVLS comm" in result.output and result.exit_code == 0
