@@ -268,3 +268,13 @@ def test_nvls_lines_are_shown() -> None:
     assert rep.log.collnet_nvls[0].startswith("NVLS comm 0x55a7be5601c0 headRank 0 nHeads 8")
     result = run("--from-log", str(NCCL / "nccl_tests213_nvls_comm_direct_pointer.log"))
     assert "NVLS/CollNet: NVLS comm" in result.output and result.exit_code == 0
+
+
+def test_ib_devices_of_one_job_do_not_judge_another_jobs_socket_pair() -> None:
+    """Synthetic two logs: job A's process lists IB devices; job B's pair over sockets."""
+    a = "a:1:2 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB ; OOB ib0:10.0.0.1<0>\n"
+    b = "b:3:4 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0\n"
+    apart = analyze(read_log([(a, "a.log"), (b, "b.log")]))
+    assert "nccl-socket-with-ib" not in codes(apart)
+    together = analyze(read_log([(a.replace("a:1:2", "b:3:4") + b, "b.log")]))
+    assert "nccl-socket-with-ib" in codes(together)
