@@ -278,3 +278,14 @@ def test_ib_devices_of_one_job_do_not_judge_another_jobs_socket_pair() -> None:
     assert "nccl-socket-with-ib" not in codes(apart)
     together = analyze(read_log([(a.replace("a:1:2", "b:3:4") + b, "b.log")]))
     assert "nccl-socket-with-ib" in codes(together)
+
+
+def test_a_garbled_merged_prefix_or_a_bom_is_never_a_host_name() -> None:
+    """Synthetic: two prefixes merged mid-line (`…:12:3node2:45:67 [0]`) and a BOM before one."""
+    text = (
+        "node1:12:3node2:45:67 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n"
+        "\ufeffnode3:5:6 [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via P2P/IPC\n"
+    )
+    rep = report(text=text)
+    assert rep.log.hosts == ["node3"]
+    assert len(rep.pairs) == 2
