@@ -417,7 +417,7 @@ def _read_facts(log: NcclLog, line: str, record: Record, name: str | None) -> No
         value = match["value"]
         value = value[:-1] if value.endswith(".") else value
         log.add_once(log.env.setdefault(match["name"], []), value)
-    if "NET/IB" not in line:
+    if "NET/IB" not in line or " via " in line:  # (a connection line lists no device)
         pass
     elif _IB_NONE.search(line):
         log.ib_not_found = True
