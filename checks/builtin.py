@@ -256,9 +256,22 @@ def _transport_from_bundle(config: dict[str, Any], here: Here) -> CheckResult:
 
 def _transport_headline(report: Any) -> str:
     families = sorted({pair.transport for pair in report.pairs})
-    return f"{len(report.pairs)} pair(s) read from NCCL's log" + (
-        f": {', '.join(families)}" if families else ""
+    unjudged = (
+        " (some not judged: they need the topology, --machine)" if report.verdict == "needs-topology" else ""
     )
+    return (
+        f"{len(report.pairs)} pair(s) read from NCCL's log"
+        + (f": {', '.join(families)}" if families else "")
+        + unjudged
+    )
+
+
+def _transport_status(report: Any) -> str:
+    """fail (a slower path or an NCCL error), warning (pairs only a topology can judge:
+    no all-clear), or pass."""
+    if report.verdict == "slow-path":
+        return "fail"
+    return "warning" if report.verdict == "needs-topology" or _warns(report.findings) else "pass"
 
 
 def _plan_hang(here: Here, request: Request) -> tuple[dict[str, Any] | None, str]:
@@ -379,6 +392,7 @@ registry.register(
         _plan_transport,
         _run_transport,
         _transport_headline,
+        status=_transport_status,
         config_fields=_fields("transport"),
         compare=_compare("transport"),
     )

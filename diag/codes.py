@@ -135,6 +135,11 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
     ("nccl-mixed-transports", "warning", "transport", "pairs the topology calls equal took different paths"),
     ("nccl-transport-setting", "info", "transport", "a setting that chooses NCCL's transports is in the log"),
     ("nccl-no-transport-lines", "info", "transport", "the log has no transport line to read"),
+    # transport (issue 45): GPUDirect RDMA, pairs the log alone cannot judge, NCCL's WARN lines
+    ("nccl-no-gdrdma", "warning", "transport", "inter-node InfiniBand without GPUDirect RDMA"),
+    ("nccl-needs-topology", "info", "transport", "pairs whose path only the topology can judge"),
+    ("nccl-shm-failed", "warning", "transport", "NCCL could not create or attach its /dev/shm segment"),
+    ("nccl-warn", "warning", "transport", "NCCL logged WARN lines (errors)"),
     # environment
     ("weights-only-load-off", "warning", "environment", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set"),
     # bench

@@ -48,7 +48,7 @@ def rows(report: Any) -> list[list[str]]:
                 devices,
                 hosts or "?",
                 p.transport,
-                p.raw,
+                getattr(p, "shown_raw", p.raw),
                 str(len(p.channels)),
                 offers,
             ]
@@ -74,9 +74,38 @@ def _summary(report: Any) -> list[str]:
         )
     if log.ib_devices:
         lines.append(f"InfiniBand devices: {', '.join(log.ib_devices)}")
+    nvls = getattr(log, "collnet_nvls", [])
+    if nvls:
+        lines.append(
+            f"NVLS/CollNet: {nvls[0]}" + (f" (and {len(nvls) - 1} more such lines)" if len(nvls) > 1 else "")
+        )
+    lines += getattr(log, "notes", [])
     lines += report.host_notes
     lines += getattr(report, "notes", [])
     return lines
+
+
+def _warn_lines(report: Any) -> list[str]:
+    """NCCL's WARN lines (distinct messages), as the log wrote them (control characters
+    escaped by the reader)."""
+    log = report.log
+    shown = list(getattr(log, "warnings", []))
+    total = getattr(log, "warn_lines", len(shown))
+    return shown + ([f"({total} WARN lines in all)"] if total > len(shown) else [])
+
+
+def verdict_line(report: Any) -> str:
+    """The closing sentence: never an all-clear the log alone cannot give."""
+    if any(f.severity != "info" for f in report.findings):
+        return ""
+    if not report.pairs:
+        return ""
+    if getattr(report, "unjudged", False):
+        return (
+            "Not judged: some pairs need the topology of their host (see nccl-needs-topology); "
+            "the others took the path expected of them."
+        )
+    return "No pair took a slower path than the log and topology show it could."
 
 
 def _unread(report: Any) -> list[str]:
@@ -107,6 +136,11 @@ def pairs_text(report: Any, out: Any) -> None:
         out.print(f"\n[bold]Lines that could not be read ({len(report.unread)})[/bold]")
         for line in _unread(report):
             out.print(f"  {escape(line)}")
+    warns = _warn_lines(report)
+    if warns:
+        out.print(f"\n[bold]NCCL WARN lines ({len(getattr(report.log, 'warnings', []))})[/bold]")
+        for line in warns:
+            out.print(f"  {escape(line)}")
 
 
 def pairs_markdown(report: Any) -> list[str]:
@@ -121,6 +155,9 @@ def pairs_markdown(report: Any) -> list[str]:
             *["- " + line.replace("|", "\\|") for line in _unread(report)],
             "",
         ]
+    warns = _warn_lines(report)
+    if warns:
+        out += ["### NCCL WARN lines", "", *["- `" + line.replace("`", "'") + "`" for line in warns], ""]
     return out
 
 
@@ -129,12 +166,9 @@ def text(report: Any, stream: TextIO) -> None:
         pairs_text(report, out)
         text_findings(out, [f for f in report.findings if f.severity != "info"], "Findings")
         text_findings(out, [f for f in report.findings if f.severity == "info"], "Notes")
-        if not any(f.severity != "info" for f in report.findings):
-            out.print(
-                "\nNo pair took a slower path than the log and topology show it could."
-                if report.pairs
-                else ""
-            )
+        closing = verdict_line(report)
+        if closing:
+            out.print("\n" + closing)
 
 
 def json(report: Any, stream: TextIO) -> None:
@@ -146,3 +180,6 @@ def markdown(report: Any, stream: TextIO) -> None:
     stream.write("\n".join(out) + "\n")
     stream.write(md.findings([f for f in report.findings if f.severity != "info"], "Findings"))
     stream.write(md.findings([f for f in report.findings if f.severity == "info"], "Notes"))
+    closing = verdict_line(report)
+    if closing:
+        stream.write("\n" + closing + "\n")

@@ -70,13 +70,14 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
     hosts = _rank_hosts(log)
     shared = _shared_names(log, hosts)
     trusted = {rank: (host if host not in shared else None) for rank, host in hosts.items()}
-    busid = log.bracket_kind == "busid"
     groups: dict[tuple[Any, ...], list[Connection]] = {}
     for conn in log.connections:
-        key = (conn.from_rank, conn.to_rank, conn.from_bracket, conn.to_bracket, conn.transport)
+        kind = log.kind_of(conn)
+        key = (conn.from_rank, conn.to_rank, conn.from_bracket, conn.to_bracket, conn.transport, kind)
         groups.setdefault(key, []).append(conn)
     pairs = []
-    for (a, b, abr, bbr, family), conns in groups.items():
+    for (a, b, abr, bbr, family, kind), conns in groups.items():
+        busid = kind == "busid"
         raws = Counter(c.raw for c in conns)
         from_host, to_host = trusted.get(a), trusted.get(b)
         if not family.startswith("NET/"):  # (P2P and SHM join two GPUs of one host)
@@ -97,6 +98,8 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
                 lines=sorted({c.line for c in conns}),
                 conns=sorted({c.conn or 0 for c in conns}),
                 pids=sorted({c.pid for c in conns if c.pid is not None}),
+                sides=_sides(conns),
+                origins=sorted({(c.source, c.host) for c in conns}, key=str),
             )
         )
     pairs.sort(key=lambda p: (p.from_rank, p.to_rank, p.transport))
@@ -104,7 +107,39 @@ def _pairs(log: NcclLog) -> tuple[list[Pair], list[str]]:
         f"the host name {name!r} stands for more than one machine (anonymised or shared)"
         for name in sorted(shared)
     ]
-    return pairs, notes
+    return pairs, notes + _runs_notes(log)
+
+
+def _runs_notes(log: NcclLog) -> list[str]:
+    """Notes when the input holds more than one NCCL run: several NCCL versions, or one
+    connection line printed by two processes (two jobs, or communicators numbering their
+    ranks anew): its pairs are then those of all of them, each line read as its process
+    printed it."""
+    notes = []
+    if len(log.versions) > 1:
+        notes.append(f"the input holds more than one NCCL run (versions {', '.join(log.versions[:4])})")
+    printers: dict[tuple[Any, ...], set[tuple[Any, ...]]] = {}
+    for c in log.connections:
+        key = (c.printer_rank, c.from_rank, c.to_rank, c.channel, c.conn, c.side)
+        printers.setdefault(key, set()).add((c.source, c.host, c.pid))
+    twice = sorted({key[0] for key, seen in printers.items() if len(seen) > 1})
+    if twice:
+        shown = ", ".join(str(r) for r in twice[:8]) + (" …" if len(twice) > 8 else "")
+        notes.append(
+            f"rank(s) {shown} printed the same connection from two processes: the input holds more "
+            "than one job (or communicators numbering their ranks anew); the pairs are all of theirs"
+        )
+    return notes
+
+
+def _sides(conns: list[Connection]) -> dict[str, list[str]]:
+    """Each end's distinct transport texts (``""`` for lines that name no side)."""
+    out: dict[str, list[str]] = {}
+    for conn in conns:
+        raws = out.setdefault(conn.side or "", [])
+        if conn.raw not in raws and len(raws) < 8:
+            raws.append(conn.raw)
+    return out
 
 
 def _nvml_indexes(log: NcclLog) -> dict[tuple[int, int], int | None]:
@@ -164,7 +199,7 @@ def analyze(log: NcclLog, topology: Topology | None = None) -> TransportReport:
     pairs, notes = _pairs(log)
     if topology is not None:
         _place(pairs, topology, log)
-    findings = transport_findings(log, pairs)
+    findings = transport_findings(log, pairs, topology is not None)
     return TransportReport(
         log=log,
         pairs=pairs,

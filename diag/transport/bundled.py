@@ -52,22 +52,59 @@ def bounded(
     return kept, notes
 
 
+#: A word that may be a host name and its domain (``node-7.hpc.example.org``): linear.
+_WORD = re.compile(r"(?<![\w.-])[\w-]++(?:\.[\w-]++)*+")
+_WORDS = re.compile(f"({_WORD.pattern})")
+#: A domain label after a host name.
+_LABEL = re.compile(r"\.[A-Za-z][A-Za-z0-9-]*+")
+#: A run between spaces and colons: how a host name of other characters stands in a prefix.
+_RUNS = re.compile(r"([^\s:]++)")
+
+
 def _pseudonyms(texts: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Every host of the logs' NCCL prefixes as ``anon-host-N``, in one pass (no name
     replaced twice), as whole words, in any case (host names are; a launcher's line may
     capitalise it) and with the domain that follows it (``node-7.hpc.example.org``, as
-    torchrun's failure summary writes it) — the domain is part of the name."""
+    torchrun's failure summary writes it) — the domain is part of the name. Each text is
+    scanned once, word by word, whatever the number of hosts (a set lookup per word)."""
     names: dict[str, str] = {}
     for host in read_log(texts).hosts:
-        if len(host) >= 2 and not placeholder(host):
-            names.setdefault(host.lower(), f"anon-host-{len(set(names.values())) + 1}")
+        if len(host) >= 2 and not placeholder(host) and host.lower() not in names:
+            names[host.lower()] = f"anon-host-{len(names) + 1}"
     if not names:
         return texts
-    alternatives = "|".join(re.escape(h) for h in sorted(names, key=len, reverse=True))
-    pattern = re.compile(
-        rf"(?<![\w.-])(?P<host>{alternatives})(?:\.[A-Za-z][A-Za-z0-9-]*)*(?![\w-])", re.IGNORECASE
-    )
-    return [(pattern.sub(lambda m: names[m.group("host").lower()], text), name) for text, name in texts]
+    odd = {name for name in names if not _WORD.fullmatch(name)}
+    out = []
+    for text, name in texts:
+        parts = _WORDS.split(text)  # (words at the odd places; each distinct word looked at once)
+        masked = {word: _masked_word(word, names) for word in set(parts[1::2])}
+        parts[1::2] = [masked[word] for word in parts[1::2]]
+        text = "".join(parts)
+        if odd:
+            runs = _RUNS.split(text)
+            runs[1::2] = [names.get(run.lower(), run) if run.lower() in odd else run for run in runs[1::2]]
+            text = "".join(runs)
+        out.append((text, name))
+    return out
+
+
+def _masked_word(word: str, names: dict[str, str]) -> str:
+    """``word`` with the longest host name it starts with (ending at a dot or its end)
+    and the domain labels after it replaced by the host's pseudonym."""
+    if "." not in word:
+        return names.get(word.lower(), word)
+    cuts = [i for i, ch in enumerate(word) if ch == "."] + [len(word)]
+    for cut in reversed(cuts):
+        pseudonym = names.get(word[:cut].lower())
+        if pseudonym is None:
+            continue
+        end = cut
+        while (label := _LABEL.match(word, end)) is not None and (
+            label.end() == len(word) or word[label.end()] == "."
+        ):
+            end = label.end()
+        return pseudonym + word[end:]
+    return word
 
 
 def bundled_logs(

@@ -23,57 +23,71 @@ device and bus id from its ``Init`` line.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-#: The body of a connection line, found anywhere in a line (prefixes vary).
+from gpudiag.transport.records import (
+    Record,
+    clean_text,
+    ends_cut,
+    one_record,
+    physical_lines,
+    records,
+    visible,
+)
+
+#: The body of a connection line, found anywhere in a record (prefixes vary).
 _CONNECTION = re.compile(
-    r"\b(?P<form>Ring|Channel)\s+(?P<channel>\d+)(?:/(?P<conn>\d+))?\s*:\s*"
-    r"(?P<a>\d+)(?:\[(?P<abr>[0-9a-fA-F]+)\])?\s*->\s*"
-    r"(?P<b>\d+)(?:\[(?P<bbr>[0-9a-fA-F]+)\])?\s*"
-    r"(?:\[(?P<side>send|receive)\]\s*)?"
-    r"via\s+(?P<via>.*)$"
+    r"\b(?P<form>Ring|Channel)\s++(?P<channel>\d++)(?:/(?P<conn>\d++))?\s*+:\s*+"
+    r"(?P<a>\d++)(?:\[(?P<abr>[0-9a-fA-F]++)\])?\s*+->\s*+"
+    r"(?P<b>\d++)(?:\[(?P<bbr>[0-9a-fA-F]++)\])?\s*+"
+    r"(?:\[(?P<side>send|receive)\]\s*+)?"
+    r"via\s++(?P<via>.*+)$"
 )
 #: Where a connection line starts (to split two merged lines and to spot damaged ones).
-_START = re.compile(r"\b(?:Ring|Channel)\s+\d+(?:/\d+)?\s*:\s*\d+(?:\[[0-9a-fA-F]*\]?)?\s*->")
+_START = re.compile(r"\b(?:Ring|Channel)\s++\d++(?:/\d++)?\s*+:\s*+\d++(?:\[[0-9a-fA-F]*+\]?)?\s*+->")
 #: A graph line: numbers (and arrows) only, never a connection.
-_GRAPH = re.compile(r"\b(?:Ring|Channel)\s+\d+(?:/\d+)?\s*:\s*(?:\d+|->|\s)*$")
-#: NCCL's own prefix: ``host:pid:tid [dev] NCCL INFO``.
-_PREFIX = re.compile(
-    r"(?P<host>[^\s:]*):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\]\s+NCCL\s+(?:INFO|WARN)\b"
-)
+_GRAPH = re.compile(r"\b(?:Ring|Channel)\s++\d++(?:/\d++)?\s*+:(?:\d++|->|\s++)*+$")
 #: A second line's prefix glued into a first one.
-_GLUED = re.compile(r":\d+:\d+\s+\[\d+\]\s+NCCL\b|\bNCCL\s+(?:INFO|WARN)\b")
+_GLUED = re.compile(r":\d++:\d++\s++\[\d++\]\s++NCCL\b|\bNCCL\s++(?:INFO|WARN)\b")
+_VIA = re.compile(r"\bvia\s++(?:P2P|SHM|NET)/")
 
 #: Transport texts as NCCL prints them after ``via``.
-_P2P = re.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*)")
+_P2P = re.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*+)")
 _SHM = re.compile(r"SHM(?:/(?:direct|CE)/(?:direct|CE))?|direct shared memory")
 #: SHM with modes this reader has not seen printed (still shared memory; never "complete").
-_SHM_OTHER = re.compile(r"SHM(?:/[A-Za-z]+){1,2}")
+_SHM_OTHER = re.compile(r"SHM(?:/[A-Za-z]++){1,2}")
 _NET = re.compile(
-    r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*?)/(?P<dev>\d+)(?:\(\d+\))?(?P<ext>(?:/(?:GDRDMA|Shared))*)"
+    r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*+)/(?P<dev>\d++)(?:\(\d++\))?(?P<ext>(?:/(?:GDRDMA|Shared))*+)"
 )
 
-_VERSION = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+)")
+_VERSION = re.compile(r"NCCL version (?P<v>\d{1,4}+\.\d{1,4}+\.\d{1,4}+)")
 _INIT = re.compile(
-    r"\bcomm 0x[0-9a-fA-F]+ rank (?P<rank>\d+) nranks (?P<nranks>\d+) cudaDev (?P<dev>\d+)"
-    r"(?: nvmlDev (?P<nvml>\d+))? busId (?P<busid>[0-9a-fA-F]+)"
+    r"\bcomm 0x[0-9a-fA-F]++ rank (?P<rank>\d++) nranks (?P<nranks>\d++) cudaDev (?P<dev>\d++)"
+    r"(?: nvmlDev (?P<nvml>\d++))? busId (?P<busid>[0-9a-fA-F]++)"
 )
-_NNODES = re.compile(r"\brank (?P<rank>\d+) nRanks (?P<nranks>\d+) nNodes (?P<nnodes>\d+)")
-_ENV = re.compile(r"\b(?P<name>NCCL_[A-Z0-9_]+) set by environment to (?P<value>\S*?)\.?\s*$")
-_ENV_SHELL = re.compile(r"^\s*(?:export\s+|-x\s+)?(?P<name>NCCL_[A-Z0-9_]+)=(?P<value>\S*)\s*$")
-_IB_USING = re.compile(r"NET/IB\w*\s*:\s*Using\b(?P<rest>.*)")
-_IB_DEVICE = re.compile(r"\[\d+\](?P<dev>[\w.-]+:\d+/(?:IB|RoCE|ETH)\w*)")
-_IB_NONE = re.compile(r"NET/IB\w*\s*:\s*No device found")
-_NETWORK = re.compile(r"\bUsing network (?P<name>.+?)\s*$")
-_WARN = re.compile(r"\bNCCL WARN\s+(?P<msg>.+?)\s*$")
+_NNODES = re.compile(r"\brank (?P<rank>\d++) nRanks (?P<nranks>\d++) nNodes (?P<nnodes>\d++)")
+_ENV = re.compile(r"\b(?P<name>NCCL_[A-Z0-9_]++) set by environment to (?P<value>\S*+)\s*+$")
+_ENV_SHELL = re.compile(r"^\s*+(?:export\s++|-x\s++)?(?P<name>NCCL_[A-Z0-9_]++)=(?P<value>\S*+)\s*+$")
+_IB_USING = re.compile(r"NET/IB\w*+\s*+:\s*+Using\b")
+_IB_DEVICE = re.compile(r"\[\d++\](?P<dev>[\w.-]++:\d++/(?:IB|RoCE|ETH)\w*+)")
+_IB_NONE = re.compile(r"NET/IB\w*+\s*+:\s*+No device found")
+_NETWORK = re.compile(r"\bUsing network (?P<name>.++)")
+_WARN = re.compile(r"\bNCCL WARN\s++(?P<msg>.++)")
 #: A last line holding only the start of NCCL's prefix (``host:921``, ``host:1:2 [1] NCCL``).
-_CUT_PREFIX = re.compile(r"^[^\s:]*:\d+(?::\d*)?(?:\s+\[\d*\]?)?(?:\s+NCCL)?(?:\s+INFO)?\s*$")
+_CUT_PREFIX = re.compile(r"^[^\s:]*+:\d++(?::\d*+)?(?:\s++\[\d*+\]?)?(?:\s++NCCL)?(?:\s++INFO)?\s*+$")
 _BORDERS = "│┃|║"
+#: Distinct facts of one kind kept (versions, networks, warnings, IB devices): a log's real
+#: ones are a handful; a hostile input's thousands cost nothing more.
+MAX_FACTS = 64
+#: A bracket number no CUDA device has (a host has at most a few dozen GPUs): a bus id.
+MAX_DEVICE = 32
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Connection:
     """One connection line: ``from_rank`` sends to ``to_rank`` on ``channel``.
 
@@ -96,6 +110,12 @@ class Connection:
     transport: str
     host: str | None
     pid: int | None
+    source: str | None = None  # the log's name when several were read
+
+    @property
+    def process(self) -> tuple[str | None, str | None, int | None]:
+        """The process that printed the line, as far as the log tells: (log, host, pid)."""
+        return (self.source, self.host, self.pid)
 
     @property
     def printer_rank(self) -> int:
@@ -153,7 +173,34 @@ class NcclLog:
     inits: list[RankInit] = field(default_factory=list)
     nnodes: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    bracket_kind: str = "device"  # "device" | "busid": what the brackets hold in this log
+    #: NCCL's ``GPU Direct RDMA Enabled/Disabled for …`` lines (the text after ``NCCL INFO``)
+    gdr_lines: list[str] = field(default_factory=list)
+    #: NVLS and CollNet lines (NVLink SHARP, in-network reduction), the text after ``NCCL INFO``
+    collnet_nvls: list[str] = field(default_factory=list)
+    #: NCCL WARN lines in all (``warnings`` keeps the distinct messages, at most MAX_FACTS)
+    warn_lines: int = 0
+    bracket_kind: str = "device"  # "device" | "busid" | "mixed": what the brackets hold
+    #: what each printing process's brackets hold (see :func:`_decide_brackets`)
+    kinds: dict[tuple[str | None, str | None, int | None], str] = field(default_factory=dict)
+    #: (log, host) of every process that listed InfiniBand devices
+    ib_where: set[tuple[str | None, str | None]] = field(default_factory=set)
+    #: what the reader did that the user must know (NUL bytes skipped)
+    notes: list[str] = field(default_factory=list)
+    _seen: set[object] = field(default_factory=set, repr=False)
+    _hosts: set[str] = field(default_factory=set, repr=False)
+
+    def kind_of(self, conn: Connection) -> str:
+        """``device`` or ``busid``: what ``conn``'s brackets hold."""
+        return self.kinds.get(conn.process, "device")
+
+    def add_once(self, items: list[Any], item: Any, limit: int = MAX_FACTS) -> None:
+        """Append ``item`` to ``items`` unless it is there (a set keeps this O(1)) or
+        ``items`` holds ``limit`` already."""
+        key = (id(items), item)
+        if key in self._seen or len(items) >= limit:
+            return
+        self._seen.add(key)
+        items.append(item)
 
     @property
     def nranks(self) -> list[int]:
@@ -161,6 +208,7 @@ class NcclLog:
         return sorted({init.nranks for init in self.inits})
 
 
+@functools.lru_cache(maxsize=4096)
 def transport_family(raw: str) -> str | None:
     """The family of a transport text: ``P2P/IPC``, ``P2P/CUMEM``, ``P2P/direct``,
     ``SHM``, ``NET/Socket``, ``NET/IB``, ``NET/IBext`` or ``NET/<plugin name>``; None
@@ -187,6 +235,8 @@ def _complete_transport(raw: str) -> bool:
 def busid_from_nccl(text: str) -> str | None:
     """NCCL's printed bus id (``3e000``: the hex digits of ``0000:3e:00.0``) in
     nvidia-smi's form (``00000000:3E:00.0``); None if it is not hex."""
+    if len(text) > 16:
+        return None
     try:
         value = int(text, 16)
     except ValueError:
@@ -198,8 +248,8 @@ def busid_from_nccl(text: str) -> str | None:
 
 
 def _strip(line: str) -> str:
-    """A line without its end-of-line, trailing spaces and terminal borders."""
-    text = line.rstrip("\r\n").strip()
+    """A line without its surrounding spaces and terminal borders."""
+    text = line.strip()
     while text and text[0] in _BORDERS:
         text = text[1:].lstrip()
     while text and text[-1] in _BORDERS:
@@ -208,83 +258,94 @@ def _strip(line: str) -> str:
 
 
 def _segments(text: str) -> list[str]:
-    """A line cut where each connection body starts (two processes' lines merged)."""
-    starts = [m.start() for m in _START.finditer(text)]
-    if len(starts) <= 1:
-        return [text[starts[0] :]] if starts else []
-    return [text[s:e] for s, e in zip(starts, [*starts[1:], len(text)], strict=True)]
-
-
-def _prefix_before(text: str, end: int) -> re.Match[str] | None:
-    """The last NCCL prefix in ``text`` before ``end``."""
-    found = None
-    for match in _PREFIX.finditer(text, 0, end):
-        found = match
-    return found
+    """A record cut where each connection body starts (two lines merged without a prefix
+    between them)."""
+    first = text.find("Ring")
+    channel = text.find("Channel")
+    first = channel if first < 0 or 0 <= channel < first else first
+    if first < 0:
+        return []
+    starts = [m.start() for m in _START.finditer(text, first)]
+    return [text[s:e] for s, e in zip(starts, [*starts[1:], len(text)], strict=False)]
 
 
 def read_log(texts: list[tuple[str, str]]) -> NcclLog:
     """Read logs given as ``(text, name)``; line numbers are each text's own (1-based),
     named ``name:line`` in :class:`Unread` texts when more than one log is read."""
-    log = NcclLog(sources=[name for _, name in texts])
+    log = NcclLog(sources=[visible(name) for _, name in texts])
     for text, name in texts:
-        _read_one(log, text, name if len(texts) > 1 else None)
+        _read_one(log, text, visible(name) if len(texts) > 1 else None)
     _decide_brackets(log)
     return log
 
 
 def _note_host(log: NcclLog, host: str | None) -> None:
-    if host is not None and host not in log.hosts:
+    if host and host not in log._hosts:
+        log._hosts.add(host)
         log.hosts.append(host)
 
 
+def _nul_blocks(log: NcclLog, text: str, name: str | None) -> str:
+    """``text`` with each block of NUL characters (a log cut by a crash on a network
+    filesystem leaves one) made a line end, and a note saying so."""
+    if "\x00" not in text:
+        return text
+    count = text.count("\x00")
+    blocks = re.findall(r"\x00++", text)
+    log.notes.append(
+        f"{name or 'the log'}: {count} NUL byte(s) in {len(blocks)} block(s) skipped "
+        "(what a crash leaves in a file that was being written)"
+    )
+    return re.sub(r"\x00++", "\n", text)
+
+
 def _read_one(log: NcclLog, text: str, name: str | None) -> None:
-    lines = text.split("\n")
-    ends_cut = not text.endswith("\n")
-    if not ends_cut:
-        lines = lines[:-1]
-    log.lines += len(lines)
-    filled = [n for n, line in enumerate(lines, 1) if line.strip()]
-    if filled and _CUT_PREFIX.match(_strip(lines[filled[-1] - 1])):
-        log.unread.append(
-            Unread(
-                filled[-1],
-                "the log ends inside a line's prefix (cut off)",
-                _strip(lines[filled[-1] - 1])[:160],
-                name,
-            )
-        )
-    for number, line in enumerate(lines, 1):
-        last = ends_cut and number == len(lines)
+    text = clean_text(_nul_blocks(log, text, name))
+    cut = ends_cut(text)
+    if not cut and text:
+        text = text[:-1]  # (no empty line after the last line end)
+    last_number = text.count("\n") + 1 if text else 0
+    log.lines += last_number
+    end = text.rstrip()
+    tail = _strip(end[end.rfind("\n") + 1 :])
+    if tail and _CUT_PREFIX.match(tail):
+        number = end.count("\n") + 1
+        log.unread.append(Unread(number, "the log ends inside a line's prefix (cut off)", tail[:160], name))
+    for number, line in physical_lines(text):
         clean = _strip(line)
-        nccl = "NCCL" in clean
-        log.nccl_lines += nccl
-        prefix = _PREFIX.search(clean) if nccl else None
-        _read_facts(log, clean, prefix)
-        segments = _segments(clean) if "->" in clean else []
-        if not segments:
-            if "via" in clean and re.search(r"\bvia\s+(?:P2P|SHM|NET)/", clean) and not _GRAPH.search(clean):
-                log.unread.append(
-                    Unread(
-                        number,
-                        "a transport without its `Channel N : a -> b` start",
-                        clean[:160],
-                        name,
-                    )
-                )
+        if not clean:
             continue
-        for index, segment in enumerate(segments):  # (several when lines were merged)
-            merged = len(segments) > 1 and index < len(segments) - 1
-            if len(segments) > 1:
-                start = clean.find(segment)
-                prefix = _prefix_before(clean, start if start >= 0 else len(clean))
-            _read_segment(log, segment, prefix, number, name, merged=merged, last=last)
+        single = one_record(clean) if "NCCL" in clean else Record(clean, None, None, False)
+        if single is not None:
+            log.nccl_lines += single.prefixed or "NCCL" in clean
+            _read_record(log, single, number, name, last=cut and number == last_number)
+            continue
+        pieces = records(clean)
+        log.nccl_lines += any(r.prefixed for r in pieces) or "NCCL" in clean
+        for index, record in enumerate(pieces):
+            last = cut and number == last_number and index == len(pieces) - 1
+            _read_record(log, record, number, name, last=last)
+
+
+def _read_record(log: NcclLog, record: Record, number: int, name: str | None, *, last: bool) -> None:
+    text = record.text
+    _read_facts(log, text, record, name)
+    segments = _segments(text) if "->" in text else []
+    if not segments:
+        if "via" in text and _VIA.search(text) and not _GRAPH.search(text):
+            log.unread.append(
+                Unread(number, "a transport without its `Channel N : a -> b` start", text[:160], name)
+            )
+        return
+    for index, segment in enumerate(segments):  # (several when lines were merged)
+        merged = len(segments) > 1 and index < len(segments) - 1
+        _read_segment(log, segment, record, number, name, merged=merged, last=last)
 
 
 def _read_segment(
     log: NcclLog,
     segment: str,
-    prefix: re.Match[str] | None,
+    record: Record,
     number: int,
     name: str | None,
     *,
@@ -321,8 +382,7 @@ def _read_segment(
             Unread(number, "the last line has no line end (it may be cut off)", segment[:160], name)
         )
         return
-    host = (prefix["host"] or None) if prefix is not None else None
-    pid = int(prefix["pid"]) if prefix is not None else None
+    host = record.host or None
     _note_host(log, host)
     form = "ring" if match["form"] == "Ring" else ("channel/conn" if match["conn"] is not None else "channel")
     log.connections.append(
@@ -339,36 +399,35 @@ def _read_segment(
             raw=raw,
             transport=family,
             host=host,
-            pid=pid,
+            pid=record.pid,
+            source=name,
         )
     )
 
 
-def _read_facts(log: NcclLog, line: str, prefix: re.Match[str] | None) -> None:
+def _read_facts(log: NcclLog, line: str, record: Record, name: str | None) -> None:
     """Version, settings, IB devices, networks, ranks' Init lines, warnings (each regex
     only on lines holding its key words: a 100,000-line log is read in well under 1 s)."""
-    if "NCCL version" in line and (match := _VERSION.search(line)) and match["v"] not in log.versions:
-        log.versions.append(match["v"])
-    if prefix is not None and "NCCL INFO" in line:
-        _note_host(log, prefix["host"] or None)
-    if "NCCL_" not in line:
-        pass
-    elif match := _ENV.search(line) or _ENV_SHELL.match(line):
-        values = log.env.setdefault(match["name"], [])
-        if match["value"] not in values:
-            values.append(match["value"])
-    if "NET/IB" not in line:
+    host = record.host or None
+    if "NCCL version" in line and (match := _VERSION.search(line)):
+        log.add_once(log.versions, match["v"])
+    if record.prefixed and "NCCL INFO" in line:
+        _note_host(log, host)
+    if "NCCL_" in line and (match := _ENV.search(line) or _ENV_SHELL.match(line)):
+        value = match["value"]
+        value = value[:-1] if value.endswith(".") else value
+        log.add_once(log.env.setdefault(match["name"], []), value)
+    if "NET/IB" not in line or " via " in line:  # (a connection line lists no device)
         pass
     elif _IB_NONE.search(line):
         log.ib_not_found = True
     elif match := _IB_USING.search(line):
-        for dev in _IB_DEVICE.finditer(match["rest"]):
-            if dev["dev"] not in log.ib_devices:
-                log.ib_devices.append(dev["dev"])
-    if "Using network" in line and (match := _NETWORK.search(line)) and match["name"] not in log.networks:
-        log.networks.append(match["name"])
+        for dev in _IB_DEVICE.finditer(line, match.end()):
+            log.add_once(log.ib_devices, dev["dev"])
+            log.ib_where.add((name, host))
+    if "Using network" in line and (match := _NETWORK.search(line)):
+        log.add_once(log.networks, match["name"].strip())
     if "cudaDev" in line and (match := _INIT.search(line)):
-        host = (prefix["host"] or None) if prefix is not None else None
         nvml = int(match["nvml"]) if match["nvml"] is not None else None
         init = RankInit(
             int(match["rank"]),
@@ -378,43 +437,54 @@ def _read_facts(log: NcclLog, line: str, prefix: re.Match[str] | None) -> None:
             host,
             nvml,
         )
-        if all(
-            (i.rank, i.nranks, i.device, i.busid, i.host, i.nvml)
-            != (init.rank, init.nranks, init.device, init.busid, init.host, init.nvml)
-            for i in log.inits
-        ):
+        key = ("init", init.rank, init.nranks, init.device, init.busid, init.host, init.nvml)
+        if key not in log._seen:
+            log._seen.add(key)
             log.inits.append(init)
-    if "nNodes" in line and (match := _NNODES.search(line)) and int(match["nnodes"]) not in log.nnodes:
-        log.nnodes.append(int(match["nnodes"]))
-    if (
-        "WARN" in line
-        and (match := _WARN.search(line))
-        and len(log.warnings) < 20
-        and match["msg"] not in log.warnings
-    ):
-        log.warnings.append(match["msg"])
+    if "nNodes" in line and (match := _NNODES.search(line)):
+        log.add_once(log.nnodes, int(match["nnodes"]))
+    if ("NVLS" in line or "CollNet" in line or "nvls channels" in line) and "set by environment" not in line:
+        start = line.find("NCCL INFO")
+        log.add_once(log.collnet_nvls, (line[start + 10 :] if start >= 0 else line)[:200], limit=16)
+    if "GPU Direct RDMA" in line:
+        log.add_once(log.gdr_lines, line[line.find("GPU Direct RDMA") :][:300])
+    if "WARN" in line and (match := _WARN.search(line)):
+        log.warn_lines += 1
+        log.add_once(log.warnings, match["msg"].strip()[:300])
 
 
 def _decide_brackets(log: NcclLog) -> None:
-    """Whether the brackets hold devices or bus ids, for the whole log: bus ids when any
-    bracket is plainly one (hex letters, or four digits and more), or when the Init lines
-    give every bracketed rank a bus id that equals its bracket and a device that does not."""
-    brackets = [(c.from_rank, c.from_bracket) for c in log.connections] + [
-        (c.to_rank, c.to_bracket) for c in log.connections
-    ]
-    texts = [b for _, b in brackets if b is not None]
-    if any(len(b) >= 4 or not b.isdigit() for b in texts):
-        log.bracket_kind = "busid"
-        return
-    by_rank = {i.rank: i for i in log.inits}
+    """What the brackets hold, per process that printed them (a device-index log and a
+    bus-id log read together, or two runs in one file, are never mixed up): bus ids when
+    any of its brackets is plainly one (hex letters, four digits and more, or a number no
+    CUDA device has: ``40`` is bus 0x40, ``0000:00:04.0`` on a cloud VM), or when the Init
+    lines give its ranks a bus id that equals the bracket and a device that does not;
+    else devices. ``bracket_kind`` sums them up (``mixed`` when both occur)."""
+    by_process: dict[tuple[str | None, str | None, int | None], list[tuple[int, str]]] = {}
+    for c in log.connections:
+        found = by_process.setdefault(c.process, [])
+        found += [(r, b) for r, b in ((c.from_rank, c.from_bracket), (c.to_rank, c.to_bracket)) if b]
+    by_rank: dict[tuple[str | None, int], RankInit] = {}
+    for init in log.inits:
+        by_rank.setdefault((init.host, init.rank), init)
+    for process, brackets in by_process.items():
+        log.kinds[process] = _kind(brackets, by_rank, process[1])
+    kinds = set(log.kinds.values())
+    log.bracket_kind = "mixed" if len(kinds) > 1 else (kinds.pop() if kinds else "device")
+
+
+def _kind(
+    brackets: list[tuple[int, str]], by_rank: dict[tuple[str | None, int], RankInit], host: str | None
+) -> str:
+    if any(len(b) >= 4 or not b.isdigit() or int(b) >= MAX_DEVICE for _, b in brackets):
+        return "busid"
     votes: Counter[str] = Counter()
     for rank, bracket in brackets:
-        init = by_rank.get(rank)
-        if bracket is None or init is None:
+        init = by_rank.get((host, rank))
+        if init is None:
             continue
         if str(init.device) == bracket:
             votes["device"] += 1
         elif init.busid is not None and busid_from_nccl(bracket) == init.busid:
             votes["busid"] += 1
-    if votes["busid"] > votes["device"]:
-        log.bracket_kind = "busid"
+    return "busid" if votes["busid"] > votes["device"] else "device"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpudiag.errors import EXIT_OK, EXIT_PROBLEM
+from gpudiag.errors import EXIT_CANNOT_RUN, EXIT_OK, EXIT_PROBLEM
 from gpudiag.findings import Finding, short_repr
 from gpudiag.transport.reader import NcclLog, Unread
 
@@ -37,8 +37,22 @@ class Pair:
     pids: list[int] = field(
         default_factory=list
     )  # processes that printed its lines  # connection indexes (`Channel NN/MM`'s MM; 0 when not printed)
+    #: the transport texts each end printed (``send``/``receive``; ``""`` where no side was
+    #: printed): two ends of one connection may disagree (``NET/IB/0`` and ``NET/IB/0/GDRDMA``)
+    sides: dict[str, list[str]] = field(default_factory=dict)
+    #: (log, host) of the processes that printed its lines
+    origins: list[tuple[str | None, str | None]] = field(default_factory=list, repr=False)
     offers: str | None = None  # the topology's cell for the pair, e.g. "NV4", "SYS"
     p2p: str | None = None  # the topology's P2P status for the pair, e.g. "OK", "GNS"
+
+    @property
+    def shown_raw(self) -> str:
+        """``raw``, or each end's text where the two ends printed different ones
+        (``send NET/IB/0 · receive NET/IB/0/GDRDMA``)."""
+        texts = {raw for raws in self.sides.values() for raw in raws}
+        if len(texts) <= 1:
+            return self.raw
+        return " · ".join(f"{side or 'logged'} {'/'.join(raws)}" for side, raws in sorted(self.sides.items()))
 
     @property
     def same_host(self) -> bool | None:
@@ -61,6 +75,7 @@ class Pair:
             "to_host": self.to_host,
             "transport": self.transport,
             "raw": self.raw,
+            "raw_by_side": {side or "unknown": list(raws) for side, raws in self.sides.items()},
             "channels": list(self.channels),
             "channel_count": len(self.channels),
             "offers": self.offers,
@@ -92,7 +107,19 @@ class TransportReport:
 
     @property
     def verdict(self) -> str:
-        return "slow-path" if self.exit_code() == EXIT_PROBLEM else ("no-pairs" if not self.pairs else "ok")
+        """``slow-path`` (a warning), ``needs-topology`` (pairs only a topology can judge,
+        nothing else found), ``no-pairs`` or ``ok``."""
+        code = self.exit_code()
+        if code == EXIT_PROBLEM:
+            return "slow-path"
+        if code == EXIT_CANNOT_RUN:
+            return "needs-topology"
+        return "no-pairs" if not self.pairs else "ok"
+
+    @property
+    def unjudged(self) -> bool:
+        """Whether some pairs could not be judged without a topology."""
+        return any(f.code == "nccl-needs-topology" for f in self.findings)
 
     @property
     def simulated(self) -> bool:
@@ -104,8 +131,12 @@ class TransportReport:
         return self.log.unread
 
     def exit_code(self) -> int:
-        """1 when a pair took a slower path than it should (a warning), else 0."""
-        return EXIT_PROBLEM if any(f.severity != "info" for f in self.findings) else EXIT_OK
+        """1 when a pair took a slower path than it should or NCCL logged an error (a
+        warning); 3 when nothing was found but some pairs need the topology to be judged
+        (no all-clear the log alone cannot give); else 0."""
+        if any(f.severity != "info" for f in self.findings):
+            return EXIT_PROBLEM
+        return EXIT_CANNOT_RUN if self.unjudged else EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
         """The ``gpudiag.transport/1`` document (see ``docs/transport.md``)."""
@@ -127,6 +158,9 @@ class TransportReport:
             "pairs": [pair.to_json() for pair in self.pairs],
             "unread": [u.to_json() for u in log.unread],
             "nccl_warnings": list(log.warnings),
-            "notes": [*self.host_notes, *self.notes],
+            "nccl_warn_lines": log.warn_lines,
+            "gdr_lines": list(log.gdr_lines),
+            "collnet_nvls": list(log.collnet_nvls),
+            "notes": [*log.notes, *self.host_notes, *self.notes],
             "findings": [f.to_json() for f in self.findings],
         }

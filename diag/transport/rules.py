@@ -10,6 +10,7 @@ from typing import Any
 
 from gpudiag.findings import Finding
 from gpudiag.topology.model import nvlink_count, path_of
+from gpudiag.transport.judge import gdr_findings, needs_topology, warn_findings
 from gpudiag.transport.reader import NcclLog
 from gpudiag.transport.report import Pair
 
@@ -180,8 +181,17 @@ def _same_host_net(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
     ]
 
 
+def _listed_ib(log: NcclLog, pair: Pair) -> bool:
+    """Whether a process that listed InfiniBand devices printed ``pair``'s lines, or one of
+    its log and host (another job's IB devices say nothing of this pair)."""
+    for source, host in pair.origins:
+        if (source, host) in log.ib_where or (host is None and any(s == source for s, _ in log.ib_where)):
+            return True
+    return False
+
+
 def _socket_with_ib(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
-    sockets = [p for p in pairs if p.transport == "NET/Socket"]
+    sockets = [p for p in pairs if p.transport == "NET/Socket" and _listed_ib(log, p)]
     if not sockets or not log.ib_devices:
         return []
     disabled = [v for v in log.env.get("NCCL_IB_DISABLE", []) if v not in ("0", "")]
@@ -291,14 +301,17 @@ def _no_pairs(log: NcclLog) -> list[Finding]:
     ]
 
 
-def transport_findings(log: NcclLog, pairs: list[Pair]) -> list[Finding]:
+def transport_findings(log: NcclLog, pairs: list[Pair], has_topology: bool = False) -> list[Finding]:
     """Every rule's findings on ``pairs`` (placed on the topology when one was given), in
     the order the report lists them."""
     return [
+        *warn_findings(log),
         *_slow_intra(log, pairs),
         *_same_host_net(log, pairs),
         *_socket_with_ib(log, pairs),
+        *gdr_findings(log, pairs),
         *_mixed(pairs),
+        *needs_topology(log, pairs, has_topology),
         *_settings(log, pairs),
         *_no_pairs(log),
     ]

@@ -3,39 +3,69 @@ and analyse; or refuse to run NCCL where fewer than two GPUs are."""
 
 from __future__ import annotations
 
+import re
 import sys
+import zlib
 from pathlib import Path
 
 from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.fileio import read_bounded
 from gpudiag.transport.analysis import TransportReport, analyze
 from gpudiag.transport.reader import read_log
+from gpudiag.transport.records import visible
 
 #: The largest log read (256 MiB; a 100,000-line INFO log of 64 ranks is about 15 MB).
 MAX_LOG_BYTES = 256 << 20
 
 
 def read_log_file(path: str) -> tuple[str, str]:
-    """(text, display name) of a log; ``-`` is standard input. UTF-8 (bad bytes
-    replaced) or UTF-16 with its byte-order mark, as Windows shells redirect; text with NUL
-    characters is refused (UTF-32 among them: the redactor could not read a secret in it)."""
+    """(text, display name) of a log; ``-`` is standard input. gzip is read as it is
+    (``.gz``, bounded as the text it holds); UTF-8 (bad bytes replaced) or UTF-16 with its
+    byte-order mark, as Windows shells redirect. A block of NUL bytes (a log cut by a
+    crash) is kept for the reader, which skips it with a note; NUL bytes all through the
+    file (UTF-16 or UTF-32 without a mark, a binary file) are refused: the redactor could
+    not read a secret in such text."""
     if path == "-":
         data, name = sys.stdin.buffer.read(MAX_LOG_BYTES + 1), "<stdin>"
     else:  # (a FIFO or a folder refused without waiting, as every input file is)
         name, data = Path(path).name, read_bounded(path, "NCCL log", MAX_LOG_BYTES + 1)
+    name = visible(name)
+    if data.startswith(b"\x1f\x8b"):
+        data = _gunzip(data, name)
     if len(data) > MAX_LOG_BYTES:
         raise InputError(
             f"{name}: larger than {MAX_LOG_BYTES >> 20} MiB; give the part with the `NCCL INFO` lines"
         )
+    for magic, kind in _PACKED:
+        if data.startswith(magic):
+            raise InputError(f"{name}: a {kind} file, not a text log; unpack it first")
+    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        raise InputError(f"{name}: not a text file (UTF-32); save the log as UTF-8")
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        text = data.decode("utf-16", "replace")
-    elif b"\x00" in data[:65536]:
-        text = "\x00"
-    else:
-        text = data.decode("utf-8", "replace")
-    if "\x00" in text[:65536]:  # (UTF-32's mark starts as UTF-16's: decoded so, every other character is NUL)
-        raise InputError(f"{name}: not a text file")
-    return text, name
+        return data.decode("utf-16", "replace"), name
+    if b"\x00" in data and len(re.findall(rb"\x00++", data[: 1 << 20])) > MAX_NUL_BLOCKS:
+        raise InputError(
+            f"{name}: not a text file (NUL bytes all through it: UTF-16 or UTF-32 without a "
+            "byte-order mark, or binary); save the log as UTF-8"
+        )
+    return data.decode("utf-8", "replace"), name
+
+
+#: Blocks of NUL bytes a log may hold and still be read as text (a crash leaves one or two).
+MAX_NUL_BLOCKS = 16
+#: Packed files a log may be given as by mistake, by their first bytes.
+_PACKED = ((b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2"), (b"PK\x03\x04", "zip"), (b"\x28\xb5\x2f\xfd", "zstd"))
+
+
+def _gunzip(data: bytes, name: str) -> bytes:
+    """The text a gzip file holds, at most :data:`MAX_LOG_BYTES` + 1 bytes of it (a small
+    file that unpacks to gigabytes is stopped there); :class:`InputError` when damaged."""
+    unpacker = zlib.decompressobj(wbits=31)
+    try:
+        out = unpacker.decompress(data, MAX_LOG_BYTES + 1)
+    except zlib.error as exc:
+        raise InputError(f"{name}: a damaged gzip file ({exc})") from None
+    return out
 
 
 def read_logs(logs: list[str]) -> list[tuple[str, str]]:

@@ -132,7 +132,9 @@ def test_plugin_networks_and_a_shared_host_name() -> None:
     assert ofi.log.warnings[0].startswith("NET/OFI Operation with NULL context")
     ibext = report("nccl1814_ibext_v8_plugin.log")
     assert pair_table(ibext)[(36, 20, "NET/IBext")] == 5
-    assert ibext.findings == []  # (every node is `hostname-test`: not one host)
+    # every node is `hostname-test` (not one host: no same-host finding); `NET/IBext_v8/N`
+    # without /GDRDMA between nodes is data staged through host memory
+    assert codes(ibext) == ["nccl-no-gdrdma"] and ibext.exit_code() == 1
 
 
 def test_two_hosts_ib_and_cumem() -> None:
@@ -157,9 +159,13 @@ def test_real_logs_without_transport_lines_say_why() -> None:
     (finding,) = one.findings
     assert finding.code == "nccl-no-transport-lines" and "one rank" in finding.message
     dup = report("nccl2.28.9_2ranks_1gpu_duplicate.log")
-    assert "NCCL_DEBUG_SUBSYS=INIT,P2P,NET" in dup.findings[0].message
+    none = next(f for f in dup.findings if f.code == "nccl-no-transport-lines")
+    assert "NCCL_DEBUG_SUBSYS=INIT,P2P,NET" in none.message
     assert any("Duplicate GPU detected" in w for w in dup.log.warnings)
-    assert one.exit_code() == dup.exit_code() == 0
+    # the failure NCCL wrote is a finding of its own, explained
+    warn = next(f for f in dup.findings if f.code == "nccl-warn")
+    assert "Duplicate GPU detected" in warn.message and "same GPU" in (warn.cause or "")
+    assert one.exit_code() == 0 and dup.exit_code() == 1
 
 
 def test_settings_versions_and_ib_devices() -> None:
@@ -228,7 +234,13 @@ def test_mixed_transports_on_equal_pairs() -> None:
         read_machine_or_capture(str(TOPO / "rtx6000ada_4gpu_node_sys_4nic.txt")),
     )
     assert codes(rep) == ["nccl-mixed-transports"] and "NODE" in rep.findings[0].message
-    assert analyze(read_log([(SYNTHETIC_MIXED, "synthetic")])).findings == []  # (no topology: no claim)
+    # no topology: no claim either way, and no all-clear: the SHM pair needs the topology
+    bare = analyze(read_log([(SYNTHETIC_MIXED, "synthetic")]))
+    assert (
+        codes(bare) == ["nccl-needs-topology"]
+        and bare.exit_code() == 3
+        and "2->3" in bare.findings[0].message
+    )
 
 
 def test_socket_where_ib_devices_are_logged() -> None:
@@ -312,10 +324,12 @@ def test_a_setting_names_the_pairs_on_the_path_it_leaves() -> None:
         "h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct\n"
     )
     rep = analyze(read_log([(text, "synthetic")]))
-    (note,) = rep.findings
+    judged, note = rep.findings
     assert note.code == "nccl-transport-setting" and note.severity == "info"
     assert "NCCL_P2P_DISABLE=1" in note.message and "0->1" in note.message
-    assert rep.exit_code() == 0
+    # no topology: not an all-clear; the setting is named as why the pair took SHM
+    assert judged.code == "nccl-needs-topology" and "NCCL_P2P_DISABLE=1" in (judged.cause or "")
+    assert rep.exit_code() == 3 and rep.verdict == "needs-topology"
 
 
 def test_a_setting_in_the_log_is_the_first_cause_of_a_slow_path() -> None:
@@ -343,7 +357,8 @@ def test_bus_ids_are_placed_on_the_machine_by_bus_id() -> None:
     assert (pair.from_busid, pair.offers) == ("00000000:1B:00.0", "NV4")
     assert codes(rep) == ["nccl-slow-path"]
     unknown = analyze(read_log([(text.replace("1c000", "9c000"), "synthetic")]), topo)
-    assert unknown.pairs[0].offers is None and unknown.findings == []
+    assert unknown.pairs[0].offers is None and codes(unknown) == ["nccl-needs-topology"]
+    assert "not found" in (unknown.findings[0].cause or "")
 
 
 def test_one_process_connecting_its_own_gpus_over_ib() -> None:
@@ -369,7 +384,9 @@ def test_direct_pointer_read_and_ib_without_gdr_across_hosts() -> None:
     table = pair_table(rep)
     assert table[(3, 2, "P2P/direct")] == 4 and table[(9, 0, "NET/IB")] == 1
     assert next(p.raw for p in rep.pairs if p.from_rank == 9) == "NET/IB/1"
-    assert rep.findings == [] and [u.line for u in rep.unread] == [14]
+    assert [u.line for u in rep.unread] == [14]
+    # `[receive] via NET/IB/1` between two hosts: no GPUDirect RDMA
+    assert codes(rep) == ["nccl-no-gdrdma"] and "9->0" in rep.findings[0].message
 
 
 # CUDA_VISIBLE_DEVICES: NCCL's connection lines name CUDA device numbers, which are the
@@ -433,7 +450,7 @@ def test_a_rank_whose_init_lines_disagree_is_not_placed_on_its_cuda_device_numbe
     GPU4-GPU6, is NVLink)."""
     rep = report(text=SYNTHETIC_TWO_COMMS_DISAGREE, machine="dgx1_v100_nv1nv2_mlx5_spaces.txt")
     assert [(p.from_rank, p.to_rank, p.offers) for p in rep.pairs] == [(1, 2, None), (2, 0, None)]
-    assert codes(rep) == []
+    assert codes(rep) == ["nccl-needs-topology"]
     agreeing = "\n".join(
         SYNTHETIC_TWO_COMMS_DISAGREE.splitlines()[:3] + SYNTHETIC_TWO_COMMS_DISAGREE.splitlines()[5:]
     )

@@ -47,8 +47,9 @@ def test_several_logs_and_stdin() -> None:
     a = str(NCCL / "nccl1189_h20_2hosts_ib_send_receive_cumem.log")
     b = (NCCL / "nccl1597_aws_libfabric_plugin.log").read_text(encoding="utf-8")
     result = run("--from-log", a, "--from-log", "-", "--format", "json", stdin=b)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # (the libfabric run's NCCL WARN lines)
     doc = json.loads(result.output)
+    assert [f["code"] for f in doc["findings"]] == ["nccl-warn"]
     assert doc["sources"] == [Path(a).name, "<stdin>"]
     assert [(u["source"], u["line"]) for u in doc["unread"]] == [(Path(a).name, 15)]
 
