@@ -12,9 +12,8 @@ Names already anonymised by their author (``<cluster_name>``, ``localhost``) are
 
 from __future__ import annotations
 
-import re
-
 from gpudiag.redact import Redactor
+from gpudiag.transport import rx
 from gpudiag.transport.analysis import placeholder
 from gpudiag.transport.reader import read_log
 
@@ -24,7 +23,7 @@ MAX_BUNDLED_BYTES = 16 << 20
 FOLDER = "nccl"
 #: The topology a live run's pairs were placed on, as a machine file inside the bundle.
 MACHINE = f"{FOLDER}/machine.json"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_UNSAFE = rx.compile(r"[^A-Za-z0-9._-]+")
 
 
 def bundle_names(names: list[str]) -> list[str]:
@@ -53,12 +52,12 @@ def bounded(
 
 
 #: A word that may be a host name and its domain (``node-7.hpc.example.org``): linear.
-_WORD = re.compile(r"(?<![\w.-])[\w-]++(?:\.[\w-]++)*+")
-_WORDS = re.compile(f"({_WORD.pattern})")
+_WORD = rx.compile(r"(?<![\w.-])[\w-]++(?:\.[\w-]++)*+")
+_WORDS = rx.compile(f"({_WORD.pattern})")
 #: A domain label after a host name.
-_LABEL = re.compile(r"\.[A-Za-z][A-Za-z0-9-]*+")
+_LABEL = rx.compile(r"\.[A-Za-z][A-Za-z0-9-]*+")
 #: A run between spaces and colons: how a host name of other characters stands in a prefix.
-_RUNS = re.compile(r"([^\s:]++)")
+_RUNS = rx.compile(r"([^\s:]++)")
 
 
 def _pseudonyms(texts: list[tuple[str, str]]) -> list[tuple[str, str]]:

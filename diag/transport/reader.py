@@ -24,11 +24,11 @@ device and bus id from its ``Init`` line.
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.transport import rx
 from gpudiag.transport.records import (
     Record,
     clean_text,
@@ -39,8 +39,10 @@ from gpudiag.transport.records import (
     visible,
 )
 
+#: A run of NUL bytes (a log written over a sparse or zeroed file).
+_NULS = rx.compile(r"\x00++")
 #: The body of a connection line, found anywhere in a record (prefixes vary).
-_CONNECTION = re.compile(
+_CONNECTION = rx.compile(
     r"\b(?P<form>Ring|Channel)\s++(?P<channel>\d++)(?:/(?P<conn>\d++))?\s*+:\s*+"
     r"(?P<a>\d++)(?:\[(?P<abr>[0-9a-fA-F]++)\])?\s*+->\s*+"
     r"(?P<b>\d++)(?:\[(?P<bbr>[0-9a-fA-F]++)\])?\s*+"
@@ -48,37 +50,37 @@ _CONNECTION = re.compile(
     r"via\s++(?P<via>.*+)$"
 )
 #: Where a connection line starts (to split two merged lines and to spot damaged ones).
-_START = re.compile(r"\b(?:Ring|Channel)\s++\d++(?:/\d++)?\s*+:\s*+\d++(?:\[[0-9a-fA-F]*+\]?)?\s*+->")
+_START = rx.compile(r"\b(?:Ring|Channel)\s++\d++(?:/\d++)?\s*+:\s*+\d++(?:\[[0-9a-fA-F]*+\]?)?\s*+->")
 #: A graph line: numbers (and arrows) only, never a connection.
-_GRAPH = re.compile(r"\b(?:Ring|Channel)\s++\d++(?:/\d++)?\s*+:(?:\d++|->|\s++)*+$")
+_GRAPH = rx.compile(r"\b(?:Ring|Channel)\s++\d++(?:/\d++)?\s*+:(?:\d++|->|\s++)*+$")
 #: A second line's prefix glued into a first one.
-_GLUED = re.compile(r":\d++:\d++\s++\[\d++\]\s++NCCL\b|\bNCCL\s++(?:INFO|WARN)\b")
-_VIA = re.compile(r"\bvia\s++(?:P2P|SHM|NET)/")
+_GLUED = rx.compile(r":\d++:\d++\s++\[\d++\]\s++NCCL\b|\bNCCL\s++(?:INFO|WARN)\b")
+_VIA = rx.compile(r"\bvia\s++(?:P2P|SHM|NET)/")
 
 #: Transport texts as NCCL prints them after ``via``.
-_P2P = re.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*+)")
-_SHM = re.compile(r"SHM(?:/(?:direct|CE)/(?:direct|CE))?|direct shared memory")
+_P2P = rx.compile(r"P2P/(?P<mode>IPC|CUMEM|direct pointer)(?P<ext>(?:/(?:read|CE))*+)")
+_SHM = rx.compile(r"SHM(?:/(?:direct|CE)/(?:direct|CE))?|direct shared memory")
 #: SHM with modes this reader has not seen printed (still shared memory; never "complete").
-_SHM_OTHER = re.compile(r"SHM(?:/[A-Za-z]++){1,2}")
-_NET = re.compile(
+_SHM_OTHER = rx.compile(r"SHM(?:/[A-Za-z]++){1,2}")
+_NET = rx.compile(
     r"NET/(?P<name>[A-Za-z][A-Za-z0-9_ ]*+)/(?P<dev>\d++)(?:\(\d++\))?(?P<ext>(?:/(?:GDRDMA|Shared))*+)"
 )
 
-_VERSION = re.compile(r"NCCL version (?P<v>\d{1,4}+\.\d{1,4}+\.\d{1,4}+)")
-_INIT = re.compile(
+_VERSION = rx.compile(r"NCCL version (?P<v>\d{1,4}+\.\d{1,4}+\.\d{1,4}+)")
+_INIT = rx.compile(
     r"\bcomm 0x[0-9a-fA-F]++ rank (?P<rank>\d++) nranks (?P<nranks>\d++) cudaDev (?P<dev>\d++)"
     r"(?: nvmlDev (?P<nvml>\d++))? busId (?P<busid>[0-9a-fA-F]++)"
 )
-_NNODES = re.compile(r"\brank (?P<rank>\d++) nRanks (?P<nranks>\d++) nNodes (?P<nnodes>\d++)")
-_ENV = re.compile(r"\b(?P<name>NCCL_[A-Z0-9_]++) set by environment to (?P<value>\S*+)\s*+$")
-_ENV_SHELL = re.compile(r"^\s*+(?:export\s++|-x\s++)?(?P<name>NCCL_[A-Z0-9_]++)=(?P<value>\S*+)\s*+$")
-_IB_USING = re.compile(r"NET/IB\w*+\s*+:\s*+Using\b")
-_IB_DEVICE = re.compile(r"\[\d++\](?P<dev>[\w.-]++:\d++/(?:IB|RoCE|ETH)\w*+)")
-_IB_NONE = re.compile(r"NET/IB\w*+\s*+:\s*+No device found")
-_NETWORK = re.compile(r"\bUsing network (?P<name>.++)")
-_WARN = re.compile(r"\bNCCL WARN\s++(?P<msg>.++)")
+_NNODES = rx.compile(r"\brank (?P<rank>\d++) nRanks (?P<nranks>\d++) nNodes (?P<nnodes>\d++)")
+_ENV = rx.compile(r"\b(?P<name>NCCL_[A-Z0-9_]++) set by environment to (?P<value>\S*+)\s*+$")
+_ENV_SHELL = rx.compile(r"^\s*+(?:export\s++|-x\s++)?(?P<name>NCCL_[A-Z0-9_]++)=(?P<value>\S*+)\s*+$")
+_IB_USING = rx.compile(r"NET/IB\w*+\s*+:\s*+Using\b")
+_IB_DEVICE = rx.compile(r"\[\d++\](?P<dev>[\w.-]++:\d++/(?:IB|RoCE|ETH)\w*+)")
+_IB_NONE = rx.compile(r"NET/IB\w*+\s*+:\s*+No device found")
+_NETWORK = rx.compile(r"\bUsing network (?P<name>.++)")
+_WARN = rx.compile(r"\bNCCL WARN\s++(?P<msg>.++)")
 #: A last line holding only the start of NCCL's prefix (``host:921``, ``host:1:2 [1] NCCL``).
-_CUT_PREFIX = re.compile(r"^[^\s:]*+:\d++(?::\d*+)?(?:\s++\[\d*+\]?)?(?:\s++NCCL)?(?:\s++INFO)?\s*+$")
+_CUT_PREFIX = rx.compile(r"^[^\s:]*+:\d++(?::\d*+)?(?:\s++\[\d*+\]?)?(?:\s++NCCL)?(?:\s++INFO)?\s*+$")
 _BORDERS = "│┃|║"
 #: Distinct facts of one kind kept (versions, networks, warnings, IB devices): a log's real
 #: ones are a handful; a hostile input's thousands cost nothing more.
@@ -291,12 +293,12 @@ def _nul_blocks(log: NcclLog, text: str, name: str | None) -> str:
     if "\x00" not in text:
         return text
     count = text.count("\x00")
-    blocks = re.findall(r"\x00++", text)
+    blocks = _NULS.findall(text)
     log.notes.append(
         f"{name or 'the log'}: {count} NUL byte(s) in {len(blocks)} block(s) skipped "
         "(what a crash leaves in a file that was being written)"
     )
-    return re.sub(r"\x00++", "\n", text)
+    return _NULS.sub("\n", text)
 
 
 def _read_one(log: NcclLog, text: str, name: str | None) -> None:

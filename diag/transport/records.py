@@ -23,31 +23,33 @@ import re
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from gpudiag.transport import rx
+
 #: ANSI sequences: CSI (``ESC [ … final``), OSC (``ESC ] … BEL`` or ``ESC \\``) and two-byte ones.
-_ANSI = re.compile(
+_ANSI = rx.compile(
     r"\x1b\[[0-?]*+[ -/]*+[@-~]?|\x1b\][^\x07\x1b\n]*+(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]?"
     r"|\x9b[0-?]*+[ -/]*+[@-~]?"
 )
 #: Characters never shown as they are: C0 (but tab), DEL, C1, bidi controls, a BOM.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+_CONTROL = rx.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 #: The same but line ends (a whole text is escaped before it is cut into lines).
-_CONTROL_IN_TEXT = re.compile(
+_CONTROL_IN_TEXT = rx.compile(
     r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]"
 )
-_BREAK = re.compile(r"\r\n|\r|\n")
+_BREAK = rx.compile(r"\r\n|\r|\n")
 #: A line that starts with NCCL's prefix (the usual case, read without looking back).
-_PREFIX = re.compile(
+_PREFIX = rx.compile(
     r"([^\s:]{0,255}+):(\d{1,12}+):\d{1,12}+[ \t]{1,16}+\[\d{1,6}+\][ \t]{1,16}+"
     r"(?:[\w./-]{1,80}+:\d{1,6}+[ \t]{1,4}+)?NCCL[ \t]{1,4}+(?:INFO|WARN|TRACE|ABORT)\b"
 )
 #: The part of NCCL's prefix after ``host:pid:tid``: `` [dev] NCCL INFO`` (WARN lines put
 #: the source location before ``NCCL``: `` [1] include/shm.h:28 NCCL WARN``).
-_MARK = re.compile(
+_MARK = rx.compile(
     r"\[\d{1,6}+\][ \t]{1,16}+(?:[\w./-]{1,80}+:\d{1,6}+[ \t]{1,4}+)?"
     r"NCCL[ \t]{1,4}+(?:INFO|WARN|TRACE|ABORT)\b"
 )
 #: ``host:pid:tid`` and its space, read backwards from a mark (on the reversed text).
-_BACK = re.compile(r"[ \t]{1,16}+(\d{1,12}+):(\d{1,12}+):([^\s:]{0,255}+)")
+_BACK = rx.compile(r"[ \t]{1,16}+(\d{1,12}+):(\d{1,12}+):([^\s:]{0,255}+)")
 #: How far before a mark its ``host:pid:tid`` may start.
 _BACK_WINDOW = 320
 

@@ -3,13 +3,13 @@ and analyse; or refuse to run NCCL where fewer than two GPUs are."""
 
 from __future__ import annotations
 
-import re
 import sys
 import zlib
 from pathlib import Path
 
 from gpudiag.errors import CannotRunHere, InputError
 from gpudiag.fileio import read_bounded
+from gpudiag.transport import rx
 from gpudiag.transport.analysis import TransportReport, analyze
 from gpudiag.transport.reader import read_log
 from gpudiag.transport.records import visible
@@ -43,7 +43,7 @@ def read_log_file(path: str) -> tuple[str, str]:
         raise InputError(f"{name}: not a text file (UTF-32); save the log as UTF-8")
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         return data.decode("utf-16", "replace"), name
-    if b"\x00" in data and len(re.findall(rb"\x00++", data[: 1 << 20])) > MAX_NUL_BLOCKS:
+    if b"\x00" in data and len(_NUL_BYTES.findall(data[: 1 << 20])) > MAX_NUL_BLOCKS:
         raise InputError(
             f"{name}: not a text file (NUL bytes all through it: UTF-16 or UTF-32 without a "
             "byte-order mark, or binary); save the log as UTF-8"
@@ -53,6 +53,8 @@ def read_log_file(path: str) -> tuple[str, str]:
 
 #: Blocks of NUL bytes a log may hold and still be read as text (a crash leaves one or two).
 MAX_NUL_BLOCKS = 16
+#: A run of NUL bytes in a log file.
+_NUL_BYTES = rx.compile(rb"\x00++")
 #: Packed files a log may be given as by mistake, by their first bytes.
 _PACKED = ((b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2"), (b"PK\x03\x04", "zip"), (b"\x28\xb5\x2f\xfd", "zstd"))
 
