@@ -263,11 +263,14 @@ def _trace(run: CheckRun) -> bytes | None:
 def bundle_files(report: Report) -> dict[str, bytes]:
     """Every file of the bundle by its path inside it, not yet redacted."""
     from gpudiag.hw.machine import to_json as machine_json
+    from gpudiag.render.pictures import bundle_pictures
     from gpudiag.render.report_markdown import report_markdown
     from gpudiag.repro.scripts import repro_script
 
-    files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}
+    document = report.to_json()
+    files = {"report.json": (json.dumps(document, indent=2) + "\n").encode()}
     files["REPORT.md"] = report_markdown(report).encode()
+    files.update(bundle_pictures(document, files["REPORT.md"].decode()))  # <check>.svg, REPORT.html
     if report.reproducible:
         files["repro.py"] = repro_script(report.reproducible).encode()
     if report.here.machine is not None:
