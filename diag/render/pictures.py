@@ -28,7 +28,15 @@ PICTURES: dict[str, Callable[[Any], str]] = {
 HTML_NAME = "REPORT.html"
 #: What a damaged result raises while drawn: the bundle gets a picture saying so instead.
 _DAMAGED = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
-STATUS_MARK = {"pass": "✅", "warning": "⚠️", "warn": "⚠️", "fail": "❌", "error": "❌", "skipped": "⏭️"}
+#: status → its chip's colours (background, text); the word is always written, so the colour
+#: only repeats it (no emoji: a minimal container has no font for them).
+STATUS_COLOURS = {
+    "pass": ("#D4EDE4", "#00553D"),
+    "warning": ("#FBEBC8", "#6B4500"),
+    "warn": ("#FBEBC8", "#6B4500"),
+    "fail": ("#F8D7C4", "#7A2E00"),
+    "error": ("#F8D7C4", "#7A2E00"),
+}
 
 
 def picture(name: str, result: Any) -> str:
@@ -72,6 +80,7 @@ th { background: #f0f0f0; }
 code, pre { font-family: monospace; background: #f5f5f5; }
 pre { padding: 8px; overflow-x: auto; white-space: pre-wrap; }
 figure { margin: 1em 0; overflow-x: auto; }
+.chip { border-radius: 4px; padding: 1px 6px; white-space: nowrap; }
 """
 
 
@@ -96,10 +105,12 @@ def report_html(report: Mapping[str, Any], markdown: str, svgs: Mapping[str, str
     parts.append("<table><tr><th>check</th><th>status</th><th>headline</th></tr>")
     for c in checks:
         status = str(c.get("status"))
-        shown = f"{STATUS_MARK.get(status, '')} {status}{' (simulated)' if c.get('simulated') else ''}"
+        shown = f"{status}{' (simulated)' if c.get('simulated') else ''}"
+        back, ink = STATUS_COLOURS.get(status, ("#EEEEEE", "#333333"))
         parts.append(
             f'<tr><td><a href="#{_anchor(c.get("name"))}">{esc(c.get("name"), 40)}</a></td>'
-            f"<td>{esc(shown, 60)}</td><td>{esc(c.get('headline'), 1000)}</td></tr>"
+            f'<td><span class="chip" style="background:{back};color:{ink}">{esc(shown, 60)}</span></td>'
+            f"<td>{_md(c.get('headline'), 1000)}</td></tr>"
         )
     parts.append("</table>")
     for c in checks:
@@ -112,11 +123,11 @@ def report_html(report: Mapping[str, Any], markdown: str, svgs: Mapping[str, str
         for f in findings:
             parts.append(
                 f'<div class="finding"><b><code>{esc(f.get("code"), 60)}</code></b> '
-                f"({esc(f.get('severity'), 20)}) — {esc(f.get('message'), 2000)}"
+                f"({esc(f.get('severity'), 20)}) — {_md(f.get('message'), 2000)}"
             )
             for key in ("cause", "fix"):
                 if f.get(key):
-                    parts.append(f"<br>{key}: {esc(f[key], 2000)}")
+                    parts.append(f"<br>{key}: {_md(f[key], 2000)}")
             parts.append("</div>")
         if svg is not None:
             parts.append(f"<figure>{_inline(svg)}</figure>")
@@ -126,6 +137,11 @@ def report_html(report: Mapping[str, Any], markdown: str, svgs: Mapping[str, str
     parts.append(f"<pre>{esc(markdown, 2_000_000)}</pre></details>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def _md(text: Any, limit: int) -> str:
+    """Escaped text with Markdown's inline code (`` `…` ``) as ``<code>`` (all else plain)."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", esc(text, limit))
 
 
 def _anchor(name: Any) -> str:

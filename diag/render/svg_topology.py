@@ -11,7 +11,6 @@ picture says how many were left out.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from gpudiag.render.svg import INK, MUTED, OKABE_ITO, Svg, document, empty, esc, fit, text_w
@@ -75,7 +74,8 @@ def topology_svg(result: Any) -> str:
     bottom_frames = top + CELL_H + 8 + 18 * label_rows + 8
     key_y = bottom_frames + 22
     width = max(right, 620.0)
-    svg = Svg(width, key_y + 60 + (20 if left_out else 0), title)
+    rows = 1 + bool(not frames and nvlink) + bool(_p2p_notes(pairs)) + bool(left_out)
+    svg = Svg(width, key_y + 20 * rows + 8, title)
     n_isl = sum(1 for i in islands if len(i) > 1)
     svg.heading(
         title,
@@ -158,7 +158,7 @@ def _nvlink_key(svg: Svg, y: float, links: dict[str, int]) -> float:
 
 
 def _arc_width(nvlinks: int) -> float:
-    return 1.5 + 1.2 * math.log2(max(nvlinks, 1) + 1)
+    return min(1.5 + 1.2 * max(nvlinks, 1), 7.0)  # NV1 2.7 px, NV2 3.9, NV4 6.3, more 7
 
 
 def _gpus(data: dict[str, Any]) -> list[dict[str, Any]]:
