@@ -39,10 +39,11 @@ STATUS_COLOURS = {
 }
 
 
-def picture(name: str, result: Any) -> str:
-    """The SVG of check ``name``'s result; a result it cannot draw gives a picture that says so."""
+def picture(name: str, result: Any, marked: Mapping[tuple[int, int], str] | None = None) -> str:
+    """The SVG of check ``name``'s result; a result it cannot draw gives a picture that says
+    so. ``marked``: for the topology, GPU pairs found broken (:func:`broken_pairs`)."""
     try:
-        return PICTURES[name](result)
+        return topology_svg(result, marked) if name == "topology" else PICTURES[name](result)
     except _DAMAGED as exc:
         return empty(f"{name}: no picture", f"its result could not be drawn ({type(exc).__name__})")
 
@@ -51,13 +52,34 @@ def check_pictures(report: Mapping[str, Any]) -> dict[str, str]:
     """``<check>.svg`` → SVG for each check of a ``gpudiag.report/1`` document that has a
     picture and a result."""
     out = {}
+    marked = broken_pairs(report)
     for check in report.get("checks") or []:
-        if (
-            isinstance(check, dict)
-            and check.get("name") in PICTURES
-            and isinstance(check.get("result"), dict)
-        ):
-            out[f"{check['name']}.svg"] = picture(check["name"], check["result"])
+        if not isinstance(check, dict) or not isinstance(check.get("result"), dict):
+            continue
+        if check.get("name") in PICTURES:
+            out[f"{check['name']}.svg"] = picture(check["name"], check["result"], marked)
+    return out
+
+
+def broken_pairs(report: Mapping[str, Any]) -> dict[tuple[int, int], str]:
+    """GPU pairs an error finding names (nancheck's ``pairs``, peer's ``directions``) → its code."""
+    out: dict[tuple[int, int], str] = {}
+    for check in report.get("checks") or []:
+        for f in (check.get("findings") or []) if isinstance(check, dict) else []:
+            if (
+                not isinstance(f, dict)
+                or f.get("severity") != "error"
+                or not isinstance(f.get("evidence"), dict)
+            ):
+                continue
+            for key in ("pairs", "directions"):
+                for pair in f["evidence"].get(key) or []:
+                    if (
+                        isinstance(pair, list | tuple)
+                        and len(pair) == 2
+                        and all(type(g) is int for g in pair)
+                    ):
+                        out.setdefault((min(pair), max(pair)), str(f.get("code"))[:40])
     return out
 
 

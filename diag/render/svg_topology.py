@@ -11,6 +11,7 @@ picture says how many were left out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gpudiag.render.svg import INK, MUTED, OKABE_ITO, Svg, document, empty, esc, fit, text_w
@@ -29,11 +30,13 @@ TINT = {"PIX": "#E8F4FB", "PXB": "#E3F1EC", "PHB": "#FBF3DC", "NODE": "#F7ECF2",
 EDGE = {"PIX": OKABE_ITO["sky"], "PXB": OKABE_ITO["green"], "PHB": OKABE_ITO["orange"],
         "NODE": OKABE_ITO["purple"], "SYS": OKABE_ITO["vermilion"]}  # fmt: skip
 NVLINK = OKABE_ITO["blue"]
+CULPRIT = OKABE_ITO["vermilion"]
 CELL_W, CELL_H = 92, 44
 
 
-def topology_svg(result: Any) -> str:
-    """The SVG of a topology result (or its JSON)."""
+def topology_svg(result: Any, marked: Mapping[tuple[int, int], str] | None = None) -> str:
+    """The SVG of a topology result (or its JSON). ``marked``: GPU pairs another check found
+    broken → the finding's code, drawn as a red dashed link under the GPUs."""
     data = document(result)
     gpus = _gpus(data)
     title = "GPU topology: NVLink islands and PCIe paths"
@@ -73,7 +76,11 @@ def topology_svg(result: Any) -> str:
     label_rows = len(pad)
     bottom_frames = top + CELL_H + 8 + 18 * label_rows + 8
     key_y = bottom_frames + 22
-    width = max(right, 620.0)
+    width = max(right + (190 if marked else 0), 620.0)
+    bad = sorted((a, b, code) for (a, b), code in (marked or {}).items() if a in xs and b in xs and a != b)[
+        :8
+    ]
+    key_y += 30 * len(bad)
     rows = 1 + bool(not frames and nvlink) + bool(_p2p_notes(pairs)) + bool(left_out)
     svg = Svg(width, key_y + 20 * rows + 8, title)
     n_isl = sum(1 for i in islands if len(i) > 1)
@@ -83,7 +90,9 @@ def topology_svg(result: Any) -> str:
         + (f"{n_isl} NVLink island{'s' if n_isl != 1 else ''}" if n_isl else "no NVLink"),
     )
 
-    # PCIe frames, outermost first; each level's name on its own row under the GPUs
+    # PCIe frames, outermost first; each level's name on its own row under the GPUs (drawn
+    # last, on the frame's tint, so a marked pair's line passes behind it)
+    labels: list[tuple[float, float, str, str]] = []
     for level, members in sorted(frames, key=lambda f: -_rank(f[0])):
         k = sorted(pad, key=_rank).index(level)
         xa = min(xs[m] for m in members) - pad[level]
@@ -91,8 +100,7 @@ def topology_svg(result: Any) -> str:
         ya = top - 6 * (k + 1)
         yb = top + CELL_H + 8 + 18 * (k + 1)
         svg.rect(xa, ya, xb - xa, yb - ya, TINT[level], stroke=EDGE[level], rx=6, **{"stroke-width": "1.5"})
-        label = f"{level}: {dict(PATHS)[level]}"
-        svg.text(xa + 6, yb - 5, fit(label, xb - xa - 12), fill=INK)
+        labels.append((xa + 6, yb - 5, fit(f"{level}: {dict(PATHS)[level]}", xb - xa - 12), TINT[level]))
 
     # NVLink: an all-to-all island as one band above its GPUs, other links as arcs
     base = top - 6 * len(pad) - 2
@@ -133,6 +141,19 @@ def topology_svg(result: Any) -> str:
                 **{"text-anchor": "middle"},
             )  # fmt: skip
 
+    for k, (a, b, code) in enumerate(bad):
+        xa, xb = sorted((xs[a] + CELL_W / 2, xs[b] + CELL_W / 2))
+        yk = bottom_frames + 14 + 30 * k
+        svg.line(xa, top + CELL_H, xa, yk, CULPRIT, **{"stroke-width": "2", "stroke-dasharray": "4 3"})
+        svg.line(xb, top + CELL_H, xb, yk, CULPRIT, **{"stroke-width": "2", "stroke-dasharray": "4 3"})
+        svg.line(xa, yk, xb, yk, CULPRIT, **{"stroke-width": "3", "stroke-dasharray": "6 3"})
+        label = f"GPU {a}–{b}: {code}"
+        svg.rect(xb + 6, yk - 10, text_w(label) + 8, 16, "#ffffff")
+        svg.text(xb + 10, yk + 3, fit(label, 300), fill=CULPRIT, **{"font-weight": "bold"})
+    for x, y, label, tint in labels:
+        plain = label.replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">")
+        svg.rect(x - 2, y - 11, text_w(plain) + 4, 14, tint)
+        svg.text(x, y, label, fill=INK)
     y = _nvlink_key(svg, key_y, {str(p.get("link")): int(p.get("nvlinks") or 1) for p in nvlink.values()})
     if not frames and nvlink:
         svg.text(16, y, "the PCIe paths behind NVLink pairs are not in nvidia-smi's matrix", fill=MUTED)

@@ -103,7 +103,7 @@ def main() -> int:
         if not (bundle / "REPORT.html").is_file():
             print("screenshots: the doctor bundle has no REPORT.html")
             return 1
-        shoot(args.chromium, bundle / "REPORT.html", args.out / "report-html.png", 1000, 1500)
+        shoot(args.chromium, bundle / "REPORT.html", args.out / "report-html.png", 1000, 1700)
     return 0
 
 

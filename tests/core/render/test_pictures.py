@@ -245,3 +245,24 @@ def test_report_html_is_self_contained_and_escaped() -> None:
     for name in ("topology.svg", "hang.svg", "gradcheck.svg"):
         parse(files[name].decode())
     assert check_pictures(report).keys() == {"topology.svg", "hang.svg", "gradcheck.svg"}
+
+
+def test_a_broken_pair_is_marked_on_the_topology() -> None:
+    """nancheck's link-corruption on (5,6) of the seed machine (its evidence as nancheck
+    writes it) is drawn on the topology; a warning's pairs are not."""
+    finding = {
+        "code": "link-corruption",
+        "severity": "error",
+        "message": "m",
+        "evidence": {"pairs": [[6, 5]]},
+    }
+    report = {
+        "checks": [
+            {"name": "topology", "status": "warning", "result": topology_doc(SEED_TOPO), "findings": []},
+            {"name": "nancheck", "status": "fail", "result": {}, "findings": [finding]},
+            {"name": "peer", "status": "warn", "result": {}, "findings": [dict(finding, severity="warning",
+             code="other", evidence={"directions": [[0, 1]]})]},
+        ]
+    }  # fmt: skip
+    labels = texts(parse(check_pictures(report)["topology.svg"]))
+    assert "GPU 5–6: link-corruption" in labels and not any(t.startswith("GPU 0–1") for t in labels)
