@@ -81,7 +81,10 @@ class Report:
 
     def file_names(self) -> list[str]:
         """Every file the bundle holds."""
-        names = ["report.json", "REPORT.md"]
+        from gpudiag.render.pictures import HTML_NAME, PICTURES
+
+        names = ["report.json", "REPORT.md", HTML_NAME]
+        names += [f"{c.name}.svg" for c in self.checks if c.name in PICTURES and isinstance(c.result, dict)]
         names += ["repro.py"] if self.reproducible else []
         names += [MACHINE_FILE] if self.here.machine is not None else []
         return names + sorted(self.files)

@@ -47,9 +47,10 @@ def hang_svg(result: Any) -> str:
     svg = Svg(width, height, title)
     verdict = str(data.get("verdict") or "?")
     world = data.get("world_size")
-    svg.heading(
-        title, f"verdict: {verdict}; {world} ranks" + (f"; hangs: {_names(culprits)}" if culprits else "")
-    )
+    subtitle = f"verdict: {verdict}; {world} ranks" + (f"; hangs: {_names(culprits)}" if culprits else "")
+    if len(lanes) < len(rows):
+        subtitle += f"; {len(rows)} ranks in {len(lanes)} lanes (neighbours that stopped alike share one)"
+    svg.heading(title, subtitle)
     svg.raw(
         '<defs><pattern id="pending" width="6" height="6" patternUnits="userSpaceOnUse" '
         'patternTransform="rotate(45)"><rect width="6" height="6" fill="#FBE3B0"/>'

@@ -4,6 +4,7 @@ zip, redacted like every other file, and a bundle with them still replays."""
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
@@ -34,7 +35,9 @@ def test_the_bundle_holds_the_pictures_and_report_html(tmp_path: Path) -> None:
         ET.fromstring((out / name).read_bytes())
     page = (out / "REPORT.html").read_text(encoding="utf-8")
     assert page.count("<svg ") == 2 and "rank 3" in page and "GPU 7" in page
-    assert read_bundle(out).document["schema"] == "gpudiag.report/1"
+    document = read_bundle(out).document
+    assert {"REPORT.html", "topology.svg", "hang.svg"} <= set(document["files"])  # listed as they are
+    assert "`REPORT.html`" in (out / "REPORT.md").read_text(encoding="utf-8")
 
 
 def test_a_zip_bundle_holds_them_too(tmp_path: Path) -> None:
@@ -45,3 +48,4 @@ def test_a_zip_bundle_holds_them_too(tmp_path: Path) -> None:
         names = set(archive.namelist())
         assert {"REPORT.html", "topology.svg"} <= names and "hang.svg" not in names
         assert b"NV4" in archive.read("topology.svg")
+        assert "topology.svg" in json.loads(archive.read("report.json"))["files"]
