@@ -266,14 +266,11 @@ def _trace(run: CheckRun) -> bytes | None:
 def bundle_files(report: Report) -> dict[str, bytes]:
     """Every file of the bundle by its path inside it, not yet redacted."""
     from gpudiag.hw.machine import to_json as machine_json
-    from gpudiag.render.pictures import bundle_pictures
     from gpudiag.render.report_markdown import report_markdown
     from gpudiag.repro.scripts import repro_script
 
-    document = report.to_json()
-    files = {"report.json": (json.dumps(document, indent=2) + "\n").encode()}
+    files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}
     files["REPORT.md"] = report_markdown(report).encode()
-    files.update(bundle_pictures(document, files["REPORT.md"].decode()))  # <check>.svg, REPORT.html
     if report.reproducible:
         files["repro.py"] = repro_script(report.reproducible).encode()
     if report.here.machine is not None:
@@ -318,8 +315,14 @@ def write_bundle(
     report: Report, path: str | os.PathLike[str], *, redactor: Redactor, force: bool = False
 ) -> Path:
     """Write the bundle (a folder, or a zip for ``*.zip``), every file redacted; atomic."""
+    from gpudiag.render.pictures import bundle_pictures
+
     target = check_destination(path, force)
     files = {name: redactor.bytes(data) for name, data in bundle_files(report).items()}
+    # <check>.svg and REPORT.html (issue 47), drawn from the redacted report (escaped into HTML
+    # a secret could pass the redactor unseen) and redacted again
+    drawn = bundle_pictures(json.loads(files["report.json"]), files["REPORT.md"].decode("utf-8", "replace"))
+    files.update({name: redactor.bytes(data) for name, data in drawn.items()})
     if target.suffix == ".zip":
         from gpudiag.fileio import atomic_output
 
