@@ -12,6 +12,9 @@
 #                  gpudiag into $(PYTHON), run the whole suite with the gpu tests (gpu-suite), then
 #                  gradcheck torchvision models at world size 1 on CUDA (gpu-gradcheck); each part
 #                  alone installs first (docs/gpu-validation.md)
+#   make screenshots  the docs' pictures (docs/images/*.svg, *.png) drawn from real inputs and
+#                  screenshotted with a doctor bundle's REPORT.html in headless Chromium; installs
+#                  nothing: needs .venv (make test) and Chromium (Debian: apt-get install chromium)
 #   make gpu-bench on the same kind of machine: the speed targets measured on CUDA
 #                  (bench, watch and runtime overheads, bench's accuracy, a one-node sweep)
 PYTHON ?= python3
@@ -40,7 +43,9 @@ FUZZ_MINUTES  ?= 10
 FUZZ_EXAMPLES ?= 1000
 SEED          ?=
 
-.PHONY: fuzz demo test test-floor gpu-install gpu-suite gpu-gradcheck gpu-test gpu-bench lint typecheck pytest bench clean
+CHROMIUM ?= chromium
+
+.PHONY: screenshots fuzz demo test test-floor gpu-install gpu-suite gpu-gradcheck gpu-test gpu-bench lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +91,11 @@ fuzz: $(STAMP)
 	    || { echo "make fuzz: a property failed with seed $$seed; rerun it: make fuzz SEED=$$seed"; exit 1; }; \
 	  [ -z "$(SEED)" ] && [ $$(date +%s) -lt $$end ] || break; seed=""; \
 	done
+
+screenshots:
+	@test -x $(BIN)/python || { echo "make screenshots: no $(VENV) here; make test (or make pytest) creates it"; exit 3; }
+	@command -v $(CHROMIUM) >/dev/null || { echo "make screenshots: no $(CHROMIUM) here; install Chromium (Debian: apt-get install chromium) or give CHROMIUM=/path/to/it"; exit 3; }
+	$(BIN)/python docs/images/screenshots.py --chromium $(CHROMIUM) --out docs/images
 
 $(FLOOR)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLOOR)

@@ -81,7 +81,10 @@ class Report:
 
     def file_names(self) -> list[str]:
         """Every file the bundle holds."""
-        names = ["report.json", "REPORT.md"]
+        from gpudiag.render.pictures import HTML_NAME, PICTURES
+
+        names = ["report.json", "REPORT.md", HTML_NAME]
+        names += [f"{c.name}.svg" for c in self.checks if c.name in PICTURES and isinstance(c.result, dict)]
         names += ["repro.py"] if self.reproducible else []
         names += [MACHINE_FILE] if self.here.machine is not None else []
         return names + sorted(self.files)
@@ -312,8 +315,14 @@ def write_bundle(
     report: Report, path: str | os.PathLike[str], *, redactor: Redactor, force: bool = False
 ) -> Path:
     """Write the bundle (a folder, or a zip for ``*.zip``), every file redacted; atomic."""
+    from gpudiag.render.pictures import bundle_pictures
+
     target = check_destination(path, force)
     files = {name: redactor.bytes(data) for name, data in bundle_files(report).items()}
+    # <check>.svg and REPORT.html (issue 47), drawn from the redacted report (escaped into HTML
+    # a secret could pass the redactor unseen) and redacted again
+    drawn = bundle_pictures(json.loads(files["report.json"]), files["REPORT.md"].decode("utf-8", "replace"))
+    files.update({name: redactor.bytes(data) for name, data in drawn.items()})
     if target.suffix == ".zip":
         from gpudiag.fileio import atomic_output
 
