@@ -29,10 +29,34 @@ def ckpt() -> None:
 def ckpt_inspect(ctx: click.Context, path: str, model: str | None, trust: bool, fmt: str) -> None:
     """Show the format, state dicts, wrapper prefixes and other entries of a checkpoint.
     With --model: exit 1 when it does not load strictly into it."""
-    from gpudiag.render import render
-    from gpudiag.repro.checkpoint import inspect
+    from pathlib import Path
 
-    result = inspect(path, model=model, trust=trust)
+    from gpudiag.render import render
+
+    if Path(path).is_dir():  # a torch.distributed.checkpoint folder
+        from gpudiag.repro.checkpoint import dcp
+
+        result: Any = dcp.inspect(path, model=model)
+    else:
+        from gpudiag.repro.checkpoint import inspect
+
+        result = inspect(path, model=model, trust=trust)
+    render("ckpt_inspect", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())
+
+
+@ckpt.command("verify")
+@click.argument("path", metavar="DIR")
+@click.option("--model", metavar="SPEC", help="Also compare keys, shapes and dtypes with this model.")
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def ckpt_verify(ctx: click.Context, path: str, model: str | None, fmt: str) -> None:
+    """Read every byte range of a DCP folder: files, coverage, CRC-32s, NaN/Inf, optimizer
+    state, the target model. Exit 1 when a problem is found, 2 when it cannot be read."""
+    from gpudiag.render import render
+    from gpudiag.repro.checkpoint import dcp
+
+    result = dcp.verify(path, model=model)
     render("ckpt_inspect", result, fmt, sys.stdout)
     ctx.exit(result.exit_code())
 

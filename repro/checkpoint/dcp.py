@@ -12,6 +12,7 @@ the folder is written; torch.distributed is never initialised.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,9 @@ class DcpReport:
     verified_bytes: int = 0
 
     def __repr__(self) -> str:
-        return short_repr(self, self.command, self.findings, tensors=sum(e.is_tensor for e in self.meta.entries))
+        return short_repr(
+            self, self.command, self.findings, tensors=sum(e.is_tensor for e in self.meta.entries)
+        )
 
     @property
     def format(self) -> str:
@@ -54,7 +57,9 @@ class DcpReport:
         entries = self.meta.entries
         groups: dict[str, dict[str, int]] = {}
         for e in entries:
-            g = groups.setdefault(str(e.path[0]) if len(e.path) > 1 else "", {"tensors": 0, "objects": 0, "bytes": 0})
+            g = groups.setdefault(
+                str(e.path[0]) if len(e.path) > 1 else "", {"tensors": 0, "objects": 0, "bytes": 0}
+            )
             g["tensors" if e.is_tensor else "objects"] += 1
             g["bytes"] += e.nbytes
         ranks = {saving_rank(f)[0] for f in self.sizes} - {None}
@@ -76,7 +81,13 @@ class DcpReport:
                     "shape": list(e.shape),
                     "dtype": e.dtype,
                     "chunks": [
-                        {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "begin": c.begin, "length": c.length}
+                        {
+                            "offsets": list(c.offsets),
+                            "sizes": list(c.sizes),
+                            "file": c.file,
+                            "begin": c.begin,
+                            "length": c.length,
+                        }
                         for c in e.chunks
                     ],
                 }
@@ -95,7 +106,9 @@ def _check_folder(path: Path) -> None:
     if not path.exists():
         raise InputError(f"{path} does not exist")
     if not path.is_dir():
-        raise InputError(f"{path} is not a folder (a DCP checkpoint is a folder of .metadata and .distcp files)")
+        raise InputError(
+            f"{path} is not a folder (a DCP checkpoint is a folder of .metadata and .distcp files)"
+        )
 
 
 def inspect(path: str | os.PathLike[str], *, model: str | None = None) -> DcpReport:
@@ -143,13 +156,14 @@ def _read_everything(report: DcpReport) -> dict[str, list[str]]:
     handles: dict[str, Any] = {}
     nonfinite: list[tuple[str, int, int]] = []
     params: dict[str, list[str]] = {}
-    try:
+    with contextlib.ExitStack() as stack:
         for entry in meta.entries:
             bad = 0
             for chunk in _usable(report, entry):
                 handle = handles.get(chunk.file or "")
                 if handle is None:
-                    handle = handles[chunk.file or ""] = open(meta.folder / (chunk.file or ""), "rb")
+                    handle = stack.enter_context(open(meta.folder / (chunk.file or ""), "rb"))
+                    handles[chunk.file or ""] = handle
                 try:
                     if entry.is_tensor:
                         piece = dcp_read.open_piece(handle, entry, chunk)
@@ -160,16 +174,13 @@ def _read_everything(report: DcpReport) -> dict[str, list[str]]:
                     else:
                         value = dcp_read.read_object(handle, entry, chunk)
                         path = entry.path
-                        if len(path) >= 4 and path[1] == "param_groups" and path[-1] == "params":
-                            if isinstance(value, list) and all(isinstance(v, str) for v in value):
-                                params.setdefault(str(path[0]), []).extend(value)
+                        listed = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                        if listed and len(path) >= 4 and path[1] == "param_groups" and path[-1] == "params":
+                            params.setdefault(str(path[0]), []).extend(value)
                 except InputError as exc:
                     report.findings.append(_damaged(entry, chunk, exc))
             if bad:
                 nonfinite.append((entry.key, bad, entry.numel))
-    finally:
-        for handle in handles.values():
-            handle.close()
     if nonfinite:
         shown = ", ".join(f"{one_line(k, 100)} ({n} of {total})" for k, n, total in nonfinite[:5])
         report.findings.append(
@@ -190,7 +201,13 @@ def _damaged(entry: Entry, chunk: Any, exc: InputError) -> Finding:
         "dcp-chunk-damaged",
         "error",
         one_line(str(exc), 400),
-        {"key": entry.key, "file": chunk.file, "rank": saving_rank(chunk.file or "")[0], "begin": chunk.begin, "length": chunk.length},
+        {
+            "key": entry.key,
+            "file": chunk.file,
+            "rank": saving_rank(chunk.file or "")[0],
+            "begin": chunk.begin,
+            "length": chunk.length,
+        },
         cause="bytes changed on disk or in a copy, or a .metadata from another save",
         fix="copy the file again from where the job saved it",
     )

@@ -63,10 +63,12 @@ def file_findings(meta: Metadata) -> tuple[list[Finding], dict[str, int | None]]
                 Finding(
                     "dcp-file-missing",
                     "error",
-                    f"{name} is missing ({_rank_text(name)}, {need} bytes, {len(keys)} entries: {_names(keys, 3)})",
+                    f"{name} is missing ({_rank_text(name)}, {need} bytes, "
+                    f"{len(keys)} entries: {_names(keys, 3)})",
                     {"file": name, "rank": saving_rank(name)[0], "bytes": need, "keys": keys},
                     cause="saved on node-local disks (each node kept its ranks' files), or a copy cut short",
-                    fix=f"copy {name} from the disk of the node that ran rank {saving_rank(name)[0]} into {meta.folder}",
+                    fix=f"copy {name} from the disk of the node that ran rank {saving_rank(name)[0]} "
+                    f"into {meta.folder}",
                 )
             )
             continue
@@ -80,7 +82,8 @@ def file_findings(meta: Metadata) -> tuple[list[Finding], dict[str, int | None]]
                     "dcp-file-truncated",
                     "error",
                     f"{name} is truncated: {size} bytes, its byte ranges need {need} "
-                    f"({_rank_text(name)}; first range cut: bytes {first.begin}-{first.begin + first.length}; "
+                    f"({_rank_text(name)}; first range cut: bytes "
+                    f"{first.begin}-{first.begin + first.length}; "
                     f"{len(cut)} entries lost: {_names(cut, 3)})",
                     {"file": name, "rank": saving_rank(name)[0], "bytes": size, "needed": need, "keys": cut},
                     cause="a copy cut short, a full disk during the save, or a save that was killed",
@@ -110,9 +113,14 @@ def coverage_findings(meta: Metadata) -> list[Finding]:
                     "dcp-coverage-gap",
                     "error",
                     f"tensor {one_line(entry.key, 120)} {list(entry.shape)}: {problem}",
-                    {"key": entry.key, "shape": list(entry.shape), "chunks": [_chunk_json(c) for c in entry.chunks]},
-                    cause="a save from an inconsistent plan, files of two checkpoints mixed, or a crafted .metadata",
-                    fix="restore the checkpoint from the job's own copy; torch.load of it would give wrong values",
+                    {
+                        "key": entry.key,
+                        "shape": list(entry.shape),
+                        "chunks": [_chunk_json(c) for c in entry.chunks],
+                    },
+                    cause="a save from an inconsistent plan, files of two checkpoints mixed, "
+                    "or a crafted .metadata",
+                    fix="restore the checkpoint from the job's own copy; loading it would give wrong values",
                 )
             )
     for text in meta.unstored:
@@ -130,7 +138,13 @@ def coverage_findings(meta: Metadata) -> list[Finding]:
 
 
 def _chunk_json(c: Chunk) -> dict[str, Any]:
-    return {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "begin": c.begin, "length": c.length}
+    return {
+        "offsets": list(c.offsets),
+        "sizes": list(c.sizes),
+        "file": c.file,
+        "begin": c.begin,
+        "length": c.length,
+    }
 
 
 def _coverage_problem(entry: Entry) -> str | None:
@@ -146,7 +160,10 @@ def _coverage_problem(entry: Entry) -> str | None:
         if shape:
             active = [a for a in active if a.offsets[0] + a.sizes[0] > c.offsets[0]]
         for a in active:
-            if all(max(x, y) < min(x + s, y + t) for x, s, y, t in zip(a.offsets, a.sizes, c.offsets, c.sizes, strict=True)):
+            if all(
+                max(x, y) < min(x + s, y + t)
+                for x, s, y, t in zip(a.offsets, a.sizes, c.offsets, c.sizes, strict=True)
+            ):
                 return f"chunks at offsets {list(a.offsets)} and {list(c.offsets)} overlap"
         active.append(c)
     covered = sum(c.numel for c in entry.chunks)
@@ -174,14 +191,17 @@ def optimizer_findings(meta: Metadata, params: dict[str, list[str]] | None = Non
             if len(partial) > 3:
                 parts.append(f"… ({len(partial)} parameters in all)")
             if without:
-                parts.append(f"{len(without)} parameters of its param_groups have no state ({_names(without, 3)})")
+                parts.append(
+                    f"{len(without)} parameters of its param_groups have no state ({_names(without, 3)})"
+                )
             findings.append(
                 Finding(
                     "optimizer-state-partial",
                     "warning",
                     f"optimizer {group!r}: state incomplete — " + "; ".join(parts),
                     {"group": group, "partial": partial, "without_state": without},
-                    cause="a save before every parameter had a step, a rank whose optimizer state was not gathered, "
+                    cause="a save before every parameter had a step, a rank whose optimizer state "
+                    "was not gathered, "
                     "or frozen parameters left in the optimizer",
                     fix="check the saving job's optimizer; resuming from it restarts these moments from zero",
                 )
@@ -235,7 +255,8 @@ def model_findings(
                 {"segments": segments, "examples": {k: renamed[strip_wrappers(k)] for k in fixable[:_SHOWN]}},
                 cause="saved from a torch.compile'd / activation-checkpointed / DDP-wrapped model "
                 "(an inner _orig_mod. under checkpointing: torchtitan #2622)",
-                fix="gpudiag ckpt convert DIR OUT.pt --keys auto (removes them), or load with the same wrappers",
+                fix="gpudiag ckpt convert DIR OUT.pt --keys auto (removes them), "
+                "or load with the same wrappers",
             )
         )
     if missing:
@@ -243,8 +264,8 @@ def model_findings(
             Finding(
                 "keys-missing",
                 "error",
-                f"{len(missing)} keys of --model are not in the checkpoint{' group ' + repr(group) if group else ''}: "
-                + _names(missing),
+                f"{len(missing)} keys of --model are not in the checkpoint"
+                f"{' group ' + repr(group) if group else ''}: " + _names(missing),
                 {"keys": missing, "group": group},
                 cause="another model, other wrappers, or a save of part of the model",
                 fix="dcp.load(strict=True) fails on these; see key-path-wrapper if listed",
@@ -330,7 +351,7 @@ def choose_group(meta: Metadata, target: dict[str, Any]) -> tuple[str, dict[str,
     wanted = {strip_wrappers(k) for k in target}
 
     def score(item: tuple[str, dict[str, Entry]]) -> tuple[int, int]:
-        name, state = item
+        state = item[1]
         return (len({strip_wrappers(k) for k in state} & wanted), -len(state))
 
     return max(groups.items(), key=score)

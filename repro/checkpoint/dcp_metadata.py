@@ -21,6 +21,7 @@ real class, so nothing pickled runs and torch is not imported. Any other global:
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -142,6 +143,28 @@ def _path(*parts: Any) -> str:
     return os.path.join(*parts) if parts else ""
 
 
+def _lookup(module: str, name: str) -> Any:
+    """The stand-in for a global ``.metadata`` may name, or None."""
+    kind = _CLASSES.get((module, name))
+    if kind is not None:
+        return _STUBS[kind]
+    if (module, name) in _ENUMS:
+        return _enum
+    if module == "torch" and name == "Size":
+        return _size
+    if module == "torch" and (name in ITEMSIZE or name in _DTYPE_ALIASES):
+        return Name(_DTYPE_ALIASES.get(name, name))
+    if module == "torch" and name in _LAYOUTS:
+        return Name(name)
+    if module == "torch.serialization" and name == "_get_layout":
+        return _layout
+    if module == "pathlib" and name in _PATHS:
+        return _path
+    if module == "collections" and name == "OrderedDict":
+        return collections.OrderedDict
+    return None
+
+
 class MetadataUnpickler(BoundedUnpickler):
     """The bounded unpickler, knowing only DCP's metadata types (module docstring)."""
 
@@ -155,35 +178,11 @@ class MetadataUnpickler(BoundedUnpickler):
         self.dispatch = {**self.dispatch, pickle.BUILD[0]: MetadataUnpickler.load_build}
 
     def find_class(self, module: str, name: str) -> Any:
-        kind = _CLASSES.get((module, name))
-        if kind is not None:
-            return _STUBS[kind]
-        if (module, name) in _ENUMS:
-            return _enum
-        if module == "torch" and name == "Size":
-            return _size
-        if module == "torch" and (name in ITEMSIZE or name in _DTYPE_ALIASES):
-            return Name(_DTYPE_ALIASES.get(name, name))
-        if module == "torch" and name in _LAYOUTS:
-            return Name(name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return _layout
-        if module == "pathlib" and name in _PATHS:
-            return _path
-        if module in ("collections",) and name == "OrderedDict":
-            import collections
-
-            return collections.OrderedDict
-        names = [g for g in globals_in(self.data) if not self._known(g)]
-        raise UnsafeMetadata(self.source, names or [f"{module}.{name}"])
-
-    def _known(self, dotted: str) -> bool:
-        module, _, name = dotted.rpartition(".")
-        try:
-            MetadataUnpickler.find_class(self, module, name)
-        except UnsafeMetadata:
-            return False
-        return True
+        found = _lookup(module, name)
+        if found is None:
+            names = [g for g in globals_in(self.data) if _lookup(*g.rpartition(".")[::2]) is None]
+            raise UnsafeMetadata(self.source, names or [f"{module}.{name}"])
+        return found
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("a persistent reference (DCP metadata has none)")
@@ -322,7 +321,11 @@ def _interpret(folder: Path, root: Any, source: str) -> Metadata:
     entries, unstored = [], []
     for key, value in items.items():
         path = planner.get(key, (key,))
-        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+        if (
+            not isinstance(path, (tuple, list))
+            or not path
+            or not all(isinstance(p, (str, int)) for p in path)
+        ):
             raise _bad(source, f"planner_data of {one_line(key, 80)!r} is not a path")
         if isinstance(value, _STUBS["BytesStorageMetadata"]):
             chunk = ranges.get((key, None))
@@ -385,7 +388,9 @@ def _storage(storage: Any, source: str) -> dict[tuple[str, tuple[int, ...] | Non
         if not isinstance(name, str) or type(begin) is not int or type(length) is not int:
             raise _bad(source, f"the byte range of {one_line(fqn, 80)!r} is not a file, offset and length")
         if begin < 0 or length < 0 or not _plain_name(name):
-            raise _bad(source, f"the byte range of {one_line(fqn, 80)!r} is {one_line(name, 80)!r} {begin}+{length}")
+            raise _bad(
+                source, f"the byte range of {one_line(fqn, 80)!r} is {one_line(name, 80)!r} {begin}+{length}"
+            )
         if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
             raise _bad(source, f"the transforms of {one_line(fqn, 80)!r} are not names")
         out[(fqn, offset)] = Chunk((), (), name, begin, length, tuple(transforms))
@@ -394,4 +399,6 @@ def _storage(storage: Any, source: str) -> dict[tuple[str, tuple[int, ...] | Non
 
 def _plain_name(name: str) -> bool:
     """A file name inside the folder: no separator, not ``..`` (a crafted path is refused)."""
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
+    return (
+        bool(name) and "/" not in name and "\\" not in name and name not in (".", "..") and "\0" not in name
+    )

@@ -82,9 +82,13 @@ class Piece:
             expect.append(step)
             step *= n
         numel = step
-        return self.offset == 0 and all(
-            s == e or n == 1 for s, e, n in zip(self.strides, reversed(expect), self.sizes, strict=True)
-        ) and numel * _itemsize(self.dtype) == self.nbytes
+        return (
+            self.offset == 0
+            and all(
+                s == e or n == 1 for s, e, n in zip(self.strides, reversed(expect), self.sizes, strict=True)
+            )
+            and numel * _itemsize(self.dtype) == self.nbytes
+        )
 
 
 def _itemsize(dtype: str) -> int:
@@ -153,7 +157,12 @@ def open_piece(handle: BinaryIO, entry: Entry, chunk: Chunk) -> Piece:
     header = window.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise PieceError(f"{where}: damaged (no zip header for {one_line(name)})")
-    start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    start = (
+        info.header_offset
+        + 30
+        + int.from_bytes(header[26:28], "little")
+        + int.from_bytes(header[28:30], "little")
+    )
     if start + info.file_size > chunk.length:
         raise PieceError(f"{where}: damaged (storage record runs past the chunk's byte range)")
     return Piece(
@@ -190,7 +199,9 @@ def read_bytes(handle: BinaryIO, piece: Piece, into: memoryview | None = None) -
         view = out[done : min(piece.nbytes, done + _READ)]
         n = os.preadv(fd, [view], piece.begin + done)
         if n <= 0:
-            raise PieceError(f"{piece.file} bytes {piece.begin}-{piece.begin + piece.nbytes}: the file ended early")
+            raise PieceError(
+                f"{piece.file} bytes {piece.begin}-{piece.begin + piece.nbytes}: the file ended early"
+            )
         crc = zlib.crc32(view[:n], crc)
         done += n
     if crc != piece.crc:

@@ -1,7 +1,11 @@
-"""Real DCP checkpoints for the tests: written by torch's own save paths on CPU."""
+"""Real DCP checkpoints for the DCP tests (no tests here): written by torch's own save
+paths on CPU — dcp.save of get_state_dict from one process, and from 2- and 3-rank FSDP2
+(fully_shard) and DDP jobs on gloo. Each kind is written once per test session
+(:func:`healthy`) and copied before a test damages it (:func:`copy_of`)."""
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,27 @@ def tiny() -> nn.Module:
     return Tiny()
 
 
+def tiny_bf16() -> nn.Module:
+    """The same model built in bfloat16 (a checkpoint of fp32 casts into it silently)."""
+    return tiny().to(torch.bfloat16)
+
+
+def tiny_wide_vocab() -> nn.Module:
+    """Another vocabulary: embed.weight and head.weight differ in shape."""
+    torch.manual_seed(0)
+    return Tiny(vocab=14)
+
+
+def ac_compiled() -> nn.Module:
+    """Activation checkpointing around a compiled block (torchtitan #2622): its keys keep an
+    inner ``_orig_mod.`` in get_model_state_dict."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = tiny()
+    model.layers[0] = checkpoint_wrapper(torch.compile(model.layers[0]))
+    return model
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     torch.manual_seed(1)
     idx = torch.randint(0, 13, (4, 5))
@@ -50,20 +75,21 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def save_single(folder: Path, model: nn.Module | None = None, optimizer: bool = True, extra: Any = None) -> Path:
+def save_single(
+    folder: Path, model: nn.Module | None = None, optimizer: bool = True, step: bool = True
+) -> Path:
     """dcp.save of get_state_dict from one process (no process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = model if model is not None else tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_step(model, opt)
+    if step:
+        train_step(model, opt)
     msd, osd = get_state_dict(model, opt)
     state: dict[str, Any] = {"model": msd}
     if optimizer:
         state["optim"] = osd
-    if extra is not None:
-        state["extra"] = extra
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(folder))
@@ -120,3 +146,50 @@ def save_ddp(folder: Path, world: int = 2) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     launch(ddp_rank, world, args=(str(folder),), timeout=120)
     return folder
+
+
+_MADE: dict[str, Path] = {}
+
+
+def healthy(kind: str, root: Path) -> Path:
+    """A healthy checkpoint of ``kind`` (single, ac_compiled, fsdp2-2, fsdp2-3, ddp), written
+    once per session under ``root``."""
+    if kind not in _MADE:
+        folder = root / kind
+        if kind == "single":
+            save_single(folder)
+        elif kind == "ac_compiled":
+            save_single(folder, ac_compiled(), step=False)  # its keys matter, not a compile
+        elif kind.startswith("fsdp2-"):
+            save_fsdp2(folder, int(kind.split("-")[1]))
+        elif kind == "ddp":
+            save_ddp(folder)
+        else:
+            raise ValueError(kind)
+        _MADE[kind] = folder
+    return _MADE[kind]
+
+
+def copy_of(folder: Path, dst: Path) -> Path:
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file's size, mtime and bytes: the input must be the same after any command."""
+    return {
+        p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())
+    }
+
+
+def rewrite_metadata(folder: Path, change: Any) -> None:
+    """Load .metadata with torch's own (trusted, test-only) pickle, ``change(metadata)``,
+    write it back: a .metadata made inconsistent the way a mixed-up save would."""
+    import pickle
+
+    path = folder / ".metadata"
+    with open(path, "rb") as handle:
+        meta = pickle.load(handle)  # the test's own file
+    change(meta)
+    with open(path, "wb") as handle:
+        pickle.dump(meta, handle)
