@@ -23,6 +23,7 @@ top-level group (``model``); ``--keys auto`` removes wrapper segments (``_orig_m
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import zlib
@@ -63,7 +64,9 @@ def convert(
     if not src.is_dir():
         raise InputError(f"{src} is not a DCP folder")
     if dst.resolve().parent == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise InputError(f"{dst} is inside the checkpoint folder {src}: write OUT elsewhere (IN is never changed)")
+        raise InputError(
+            f"{dst} is inside the checkpoint folder {src}: write OUT elsewhere (IN is never changed)"
+        )
     meta = read_metadata(src)
     _refuse_damaged(meta)
     entries = _select(meta, only)
@@ -79,8 +82,8 @@ def convert(
             "changed": changed,
             "strip": sorted({seg + "." for seg in renames.values() for seg in seg[1]}),
             "add": "",
-            "first": [entries[0].key, ".".join(map(str, paths[0]))],
-            "last": [entries[-1].key, ".".join(map(str, paths[-1]))],
+            "first": [entries[0].key, _flat(paths[0], only)],
+            "last": [entries[-1].key, _flat(paths[-1], only)],
         }
     )
     with contextlib.ExitStack() as stack:
@@ -102,11 +105,20 @@ def convert(
     return result
 
 
+def _flat(path: tuple[Any, ...], only: str | None) -> str:
+    """The key an output entry has: its path joined by dots, within ``only``'s group."""
+    return ".".join(map(str, path[1:] if only else path))
+
+
 def _refuse_damaged(meta: Metadata) -> None:
     findings, _ = dcp_check.file_findings(meta)
     findings += dcp_check.coverage_findings(meta)
     if findings:
-        more = f" ({len(findings)} problems; `gpudiag ckpt verify {meta.folder}` lists them)" if len(findings) > 1 else ""
+        more = (
+            f" ({len(findings)} problems; `gpudiag ckpt verify {meta.folder}` lists them)"
+            if len(findings) > 1
+            else ""
+        )
         raise InputError(f"{findings[0].code}: {findings[0].message}{more}")
 
 
@@ -116,7 +128,9 @@ def _select(meta: Metadata, only: str | None) -> list[Entry]:
     chosen = [e for e in meta.entries if len(e.path) > 1 and str(e.path[0]) == only]
     if not chosen:
         groups = sorted({str(e.path[0]) for e in meta.entries if len(e.path) > 1})
-        raise InputError(f"--only {only}: no such top-level group (the checkpoint has {', '.join(groups) or 'none'})")
+        raise InputError(
+            f"--only {only}: no such top-level group (the checkpoint has {', '.join(groups) or 'none'})"
+        )
     return chosen
 
 
@@ -134,7 +148,9 @@ def _renames(entries: list[Entry], keys: str) -> tuple[Renames, list[str]]:
     for e in entries:
         if e.is_tensor and len(e.path) == 2 and isinstance(e.path[1], str):
             by_group.setdefault(e.path[0], []).append(e.path[1])
-    module_everywhere = bool(by_group) and all(all(k.startswith("module.") for k in ks) for ks in by_group.values())
+    module_everywhere = bool(by_group) and all(
+        all(k.startswith("module.") for k in ks) for ks in by_group.values()
+    )
     out: Renames = {}
     for name in names:
         new = dcp_check.strip_wrappers(name)
@@ -146,7 +162,10 @@ def _renames(entries: list[Entry], keys: str) -> tuple[Renames, list[str]]:
     notes = []
     if out:
         segments = sorted({s for _, removed in out.values() for s in removed})
-        notes.append(f"--keys auto: removed wrapper segments {', '.join(s + '.' for s in segments)} from {len(out)} names")
+        notes.append(
+            f"--keys auto: removed wrapper segments {', '.join(s + '.' for s in segments)} "
+            f"from {len(out)} names"
+        )
     return out, notes
 
 
@@ -159,7 +178,8 @@ def _refuse_collisions(entries: list[Entry], paths: list[tuple[Any, ...]]) -> No
     for entry, path in zip(entries, paths, strict=True):
         if path in seen:
             raise InputError(
-                f"refusing to rename: {one_line(seen[path], 100)!r} and {one_line(entry.key, 100)!r} would both "
+                f"refusing to rename: {one_line(seen[path], 100)!r} and {one_line(entry.key, 100)!r} "
+                "would both "
                 f"become {'.'.join(map(str, path))!r} (pass --keys keep)"
             )
         seen[path] = entry.key
@@ -169,7 +189,7 @@ def _set_element(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> Non
     """Place ``value`` at ``path`` as DCP's own loader does: a string step makes a dict, an
     integer step a list padded with None."""
     cur: Any = root
-    for prev, key in zip(path, path[1:]):
+    for prev, key in itertools.pairwise(path):
         fresh: Any = {} if type(key) is str else []
         if isinstance(cur, dict):
             cur = cur.setdefault(prev, fresh)
@@ -221,7 +241,10 @@ def _write_pt(
         where = path[1:] if only else path
         if entry.is_tensor:
             if entry.dtype not in _STORAGE_OF:
-                raise InputError(f"tensor {one_line(entry.key, 100)}: a {entry.dtype} tensor (not written by this converter)")
+                raise InputError(
+                    f"tensor {one_line(entry.key, 100)}: a {entry.dtype} tensor "
+                    "(not written by this converter)"
+                )
             key = str(len(tensors))
             storage = pickles.StorageRef(_STORAGE_OF[entry.dtype], key, "cpu", entry.numel)
             value: Any = pickles.TensorRef(storage, 0, entry.shape, _contiguous_stride(entry.shape))
@@ -346,20 +369,27 @@ def _write_safetensors(
     chosen = []
     objects: dict[str, Any] = {}
     for entry, path in zip(entries, paths, strict=True):
-        key = ".".join(map(str, path[1:] if only else path))
+        key = _flat(path, only)
         if not entry.is_tensor:
             objects[key] = entry
             continue
         if entry.dtype not in DTYPES:
             raise InputError(f"safetensors cannot hold {one_line(entry.key, 100)} ({entry.dtype})")
-        header[key] = {"dtype": DTYPES[entry.dtype], "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes]}
+        header[key] = {
+            "dtype": DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
         chosen.append(entry)
     sidecar = None
     if objects:
         plain = {k: _plain(_object(e, handle, {})) for k, e in objects.items()}
         sidecar = str(dst.with_name(dst.name + ".json"))
-        notes.append(f"safetensors holds tensors only: {len(objects)} objects (optimizer settings…) are in {Path(sidecar).name}")
+        notes.append(
+            f"safetensors holds tensors only: {len(objects)} objects (optimizer settings…) "
+            f"are in {Path(sidecar).name}"
+        )
     copier = torchzip._Copier()
     crcs = []
     with atomic_output(dst, force=force) as out:

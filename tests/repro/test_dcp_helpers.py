@@ -148,6 +148,32 @@ def save_ddp(folder: Path, world: int = 2) -> Path:
     return folder
 
 
+def colwise_rank(rank: int, world: int, folder: str) -> bytes:
+    """Tensors sharded along their columns (Shard(1), as tensor parallelism shards a
+    row-parallel weight) and along both dimensions of a 3-D tensor: chunks that are not
+    contiguous runs of the global tensor."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = {
+        "w": torch.randn(6, 7),
+        "cube": torch.randn(3, 5, 4, dtype=torch.float64),
+        "half": torch.randn(5, 3).to(torch.bfloat16),
+    }
+    state = {
+        "model": {
+            "w": distribute_tensor(full["w"], mesh, [Shard(1)]),
+            "cube": distribute_tensor(full["cube"], mesh, [Shard(1)]),
+            "half": distribute_tensor(full["half"], mesh, [Shard(0)]),
+        }
+    }
+    dcp.save(state, checkpoint_id=folder)
+    return b""
+
+
 _MADE: dict[str, Path] = {}
 
 
@@ -164,6 +190,11 @@ def healthy(kind: str, root: Path) -> Path:
             save_fsdp2(folder, int(kind.split("-")[1]))
         elif kind == "ddp":
             save_ddp(folder)
+        elif kind == "colwise":
+            from gpudiag.runtime.launch import launch
+
+            folder.mkdir(parents=True)
+            launch(colwise_rank, 2, args=(str(folder),), timeout=120)
         else:
             raise ValueError(kind)
         _MADE[kind] = folder
