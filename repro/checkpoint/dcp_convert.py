@@ -258,14 +258,15 @@ def _write_pt(
     crcs: dict[str, tuple[int, int]] = {}
     with atomic_output(dst, force=force) as out:
         writer = torchzip._Writer(out)
-        copier = torchzip._Copier()
+        copier, scratch = torchzip._Copier(), Scratch()
         writer.add(prefix + "data.pkl", len(data), zlib.crc32(data), _DATE, lambda f: f.write(data))
         for name, small in _SMALL:
             writer.add(prefix + name, len(small), zlib.crc32(small), _DATE, lambda f, b=small: f.write(b))
         for entry, key in tensors:
-            crc, write = _tensor_record(entry, handle, copier)
+            crc, write = _tensor_record(entry, handle, copier, scratch)
             writer.add(f"{prefix}data/{key}", entry.nbytes, crc, _DATE, write)
             crcs[f"{prefix}data/{key}"] = (entry.nbytes, crc)
+            del write  # its buffer, before the next tensor's is made
         writer.add(prefix + "version", 2, zlib.crc32(b"3\n"), _DATE, lambda f: f.write(b"3\n"))
         writer.finish()
         out.flush()
@@ -276,56 +277,101 @@ def _write_pt(
         return verify.read_back(written.pickle, data, expected, dst)
 
 
-def _tensor_record(entry: Entry, handle: Any, copier: Any) -> tuple[int, Any]:
+class Scratch:
+    """One buffer for assembling tensors, grown to the largest and reused (every byte of it
+    is overwritten: the chunks were checked to tile the tensor)."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def __call__(self, size: int) -> memoryview:
+        if len(self.buffer) < size:
+            self.buffer = bytearray()  # the old one freed first
+            self.buffer = bytearray(size)
+        return memoryview(self.buffer)[:size]
+
+
+def _tensor_record(entry: Entry, handle: Any, copier: Any, scratch: Scratch) -> tuple[int, Any]:
     """(CRC-32 of the tensor's contiguous bytes, a function writing them to the output).
-    One chunk holding the whole tensor as stored: copied from its byte range, the CRC-32
-    its archive records checked on the bytes written. Else: assembled in one buffer."""
-    if len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
-        chunk = entry.chunks[0]
+
+    When every chunk is one contiguous run of the tensor (the whole tensor, or rows of a
+    dim-0 shard as FSDP2 saves them), the record is the chunks' byte ranges one after the
+    other: copied straight from the files through one small buffer, each chunk's CRC-32
+    (from its archive) checked on the bytes written, the record's CRC-32 combined from
+    them. Otherwise (column shards, strided storages) the tensor is assembled in one
+    buffer of its size."""
+    runs = []
+    for chunk in entry.chunks:
         source = handle(chunk.file)
         piece = dcp_read.open_piece(source, entry, chunk)
-        if piece.contiguous and piece.nbytes == entry.nbytes:
+        runs.append((_layout(entry, chunk), chunk, piece, source))
+    if all(layout[2] == 1 and piece.contiguous for layout, _, piece, _ in runs):
+        ordered = sorted(runs, key=lambda r: r[0][0])
+        crc = 0
+        for _, _, piece, _ in ordered:
+            crc = dcp_read.crc32_combine(crc, piece.crc, piece.nbytes)
 
-            def copy(out: BinaryIO) -> None:
+        def copy(out: BinaryIO) -> None:
+            for _, _, piece, source in ordered:
                 if torchzip._copy_range(source, out, piece.begin, piece.nbytes, copier) != piece.crc:
                     raise InputError(
                         f"{piece.file} bytes {piece.begin}-{piece.begin + piece.nbytes} (tensor "
                         f"{one_line(entry.key, 100)}): the values do not match their CRC-32 (damaged)"
                     )
 
-            return piece.crc, copy
-    buffer = memoryview(bytearray(entry.nbytes))
-    for chunk in entry.chunks:
-        _place(buffer, entry, chunk, handle(chunk.file))
+        return crc, copy
+    buffer = scratch(entry.nbytes)
+    for layout, chunk, piece, source in runs:
+        _place(buffer, entry, chunk, layout, piece, source)
     crc = zlib.crc32(buffer)
-    return crc, lambda out: out.write(buffer)
+
+    def write(out: BinaryIO) -> None:
+        out.write(buffer)
+        out.flush()
+        copier.written(out.fileno(), out.tell())  # start writing back, as a copied record does
+
+    return crc, write
 
 
-def _place(buffer: memoryview, entry: Entry, chunk: Any, source: BinaryIO) -> None:
-    """Copy one chunk's values into the tensor's row-major buffer, run by run: the chunk's
-    trailing dimensions that span the whole tensor make one contiguous run."""
-    piece = dcp_read.open_piece(source, entry, chunk)
-    data = dcp_read.read_bytes(source, piece)
-    if not piece.contiguous:
-        data = _gather(data, piece, entry.itemsize)
+def _layout(entry: Entry, chunk: Any) -> tuple[int, int, int, int]:
+    """Where a chunk's values go in the tensor's row-major bytes: (byte offset of its first
+    run, bytes per run, number of runs, the first dimension its runs do not span). The
+    chunk's trailing dimensions that span the whole tensor make one contiguous run."""
     item = entry.itemsize
     shape, sizes, offsets = entry.shape, chunk.sizes, chunk.offsets
     if not shape:
-        buffer[:item] = data[:item]
-        return
-    full = len(shape) - 1  # the chunk spans the tensor in every dimension after this one:
+        return 0, item, 1, 0
+    full = len(shape) - 1
     while full > 0 and sizes[full] == shape[full]:
         full -= 1
-    # a run is contiguous in both: sizes[full] * prod(shape[full + 1:]) elements
     inner = 1
     for n in shape[full + 1 :]:
         inner *= n
-    run = sizes[full] * inner * item
+    count = 1
+    for n in sizes[:full]:
+        count *= n
+    strides = _contiguous_stride(shape)
+    start = sum(o * s for o, s in zip(offsets, strides, strict=True)) * item
+    return start, sizes[full] * inner * item, count, full
+
+
+def _place(
+    buffer: memoryview,
+    entry: Entry,
+    chunk: Any,
+    layout: tuple[int, int, int, int],
+    piece: dcp_read.Piece,
+    source: BinaryIO,
+) -> None:
+    """Copy one chunk's values into the tensor's buffer, run by run."""
+    item = entry.itemsize
+    _, run, count, full = layout
+    data = dcp_read.read_bytes(source, piece)
+    if not piece.contiguous:
+        data = _gather(data, piece, item)
+    shape, sizes, offsets = entry.shape, chunk.sizes, chunk.offsets
     strides = _contiguous_stride(shape)
     outer = sizes[:full]
-    count = 1
-    for n in outer:
-        count *= n
     for i in range(count):
         index, rest = [], i
         for n in reversed(outer):
@@ -333,7 +379,7 @@ def _place(buffer: memoryview, entry: Entry, chunk: Any, source: BinaryIO) -> No
             rest //= n
         index.reverse()
         start = sum((o + x) * s for o, x, s in zip(offsets[:full], index, strides[:full], strict=True))
-        start = (start + offsets[full] * strides[full]) * item
+        start = (start + (offsets[full] * strides[full] if shape else 0)) * item
         buffer[start : start + run] = data[i * run : (i + 1) * run]
 
 
@@ -390,15 +436,16 @@ def _write_safetensors(
             f"safetensors holds tensors only: {len(objects)} objects (optimizer settings…) "
             f"are in {Path(sidecar).name}"
         )
-    copier = torchzip._Copier()
+    copier, scratch = torchzip._Copier(), Scratch()
     crcs = []
     with atomic_output(dst, force=force) as out:
         out.write(_header_bytes(header))
         start = out.tell()
         for entry in chosen:
-            crc, write = _tensor_record(entry, handle, copier)
+            crc, write = _tensor_record(entry, handle, copier, scratch)
             write(out)
             crcs.append(crc)
+            del write  # its buffer, before the next tensor's is made
         out.flush()
         with open(out.name, "rb") as back:
             n = int.from_bytes(back.read(8), "little")

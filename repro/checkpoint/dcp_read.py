@@ -13,6 +13,7 @@ zip records for them. Nothing is unpickled beyond placeholders, torch is not imp
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import zipfile
@@ -210,3 +211,48 @@ def read_bytes(handle: BinaryIO, piece: Piece, into: memoryview | None = None) -
             "their CRC-32 (the file is damaged)"
         )
     return out
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, row) for row in matrix]
+
+
+@functools.lru_cache(maxsize=64)
+def _shift(length: int) -> tuple[int, ...]:
+    """The GF(2) operator that advances a CRC-32 over ``length`` zero bytes (cached: a
+    checkpoint's chunks have few distinct sizes)."""
+    op = [1 << n for n in range(32)]  # the identity
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    even = _gf2_square(odd)  # two
+    odd = _gf2_square(even)  # four
+    while length:  # then 8 bits (one byte), 16, 32…: composed where length has a bit set
+        even = _gf2_square(odd)
+        if length & 1:
+            op = [_gf2_times(even, column) for column in op]
+        length >>= 1
+        if not length:
+            break
+        odd = _gf2_square(even)
+        if length & 1:
+            op = [_gf2_times(odd, column) for column in op]
+        length >>= 1
+    return tuple(op)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``, without the
+    bytes: ``crc1`` advanced over ``len2`` zero bytes, then ``crc2`` added (zlib's
+    ``crc32_combine``, which Python's zlib does not expose)."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(list(_shift(len2)), crc1) ^ crc2
