@@ -16,7 +16,7 @@ FSDP2 saves one: a 2-rank gloo job, 64 tensors of 2048x2048 fp32 each sharded by
 Before each timed command the page cache is written back (``os.sync()``, not timed). Peak
 RSS from wait4()'s ru_maxrss. The largest tensor is 16 MiB; the baseline is the RSS of
 `python -c "import gpudiag.repro.checkpoint.dcp_convert"` (the interpreter and the code).
-Last line: `convert/(cat+sync) wall ratio: R; peak RSS above baseline / largest tensor: M`
+Last line: `convert/(cat+sync) wall ratio: R; peak RSS above baseline / largest tensor M`
 (targets: R <= 1.5; M about 1 — memory follows the largest tensor, not the checkpoint).
 """
 
@@ -119,9 +119,8 @@ def main() -> None:
     for name in ("cat.bin", "out.pt", "torch.pt"):
         (folder / name).unlink(missing_ok=True)
     above = (conv_rss - base[1]) * 2**20 / LARGEST
-    print(
-        f"convert/(cat+sync) wall ratio: {conv / cat:.2f}; peak RSS above baseline / largest tensor: {above:.2f}"
-    )
+    ratio = conv / cat
+    print(f"convert/(cat+sync) wall ratio: {ratio:.2f}; peak RSS above baseline / largest tensor {above:.2f}")
 
 
 if __name__ == "__main__":
