@@ -80,7 +80,7 @@ def convert(
             "state_dict": f"[{only!r}]" if only else "(root)",
             "keys": len(entries),
             "changed": changed,
-            "strip": sorted({seg + "." for seg in renames.values() for seg in seg[1]}),
+            "strip": sorted({s + "." for _, removed in renames.values() for s in removed}),
             "add": "",
             "first": [entries[0].key, _flat(paths[0], only)],
             "last": [entries[-1].key, _flat(paths[-1], only)],
@@ -230,7 +230,7 @@ def _write_pt(
     handle: Any,
 ) -> str | None:
     """The torch zip: pickle of the tree (placeholders), then one record per tensor."""
-    renames = {}  # params lists follow the renamed keys
+    renames: Renames = {}  # params lists follow the renamed keys
     for entry, path in zip(entries, paths, strict=True):
         for old, new in zip(entry.path, path, strict=True):
             if old != new:

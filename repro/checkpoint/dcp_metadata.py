@@ -175,7 +175,9 @@ class MetadataUnpickler(BoundedUnpickler):
         super().__init__(data, source)
         self.data = data
         # the opcode table is BoundedUnpickler's: BUILD goes to this class's load_build
-        self.dispatch = {**self.dispatch, pickle.BUILD[0]: MetadataUnpickler.load_build}
+        table: dict[int, Any] = dict(getattr(self, "dispatch", {}))
+        table[pickle.BUILD[0]] = MetadataUnpickler.load_build
+        self.dispatch = table
 
     def find_class(self, module: str, name: str) -> Any:
         found = _lookup(module, name)
