@@ -74,7 +74,9 @@ def convert(
     result = ConvertResult(str(src), str(dst), "dcp", fmt, False, [], notes)
     paths = [tuple(_rename_path(e.path, renames)) for e in entries]
     _refuse_collisions(entries, paths)
-    changed = sum(a != b for a, b in zip((e.path for e in entries), paths, strict=True))
+    moved = [i for i, (e, p) in enumerate(zip(entries, paths, strict=True)) if e.path != p]
+    changed = len(moved)
+    first, last = (moved[0], moved[-1]) if moved else (0, len(entries) - 1)  # show renamed keys
     result.mappings.append(
         {
             "state_dict": f"[{only!r}]" if only else "(root)",
@@ -82,8 +84,8 @@ def convert(
             "changed": changed,
             "strip": sorted({s + "." for _, removed in renames.values() for s in removed}),
             "add": "",
-            "first": [entries[0].key, _flat(paths[0], only)],
-            "last": [entries[-1].key, _flat(paths[-1], only)],
+            "first": [entries[first].key, _flat(paths[first], only)],
+            "last": [entries[last].key, _flat(paths[last], only)],
         }
     )
     with contextlib.ExitStack() as stack:
