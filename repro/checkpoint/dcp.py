@@ -223,3 +223,18 @@ def _count_nonfinite(data: memoryview, piece: dcp_read.Piece) -> int:
     storage = torch.frombuffer(data, dtype=dtype)
     values = storage.as_strided(piece.sizes, piece.strides, piece.offset)
     return int((~torch.isfinite(values)).sum())
+
+
+def bundle_files(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    """A DCP folder's inspection for a report bundle (``gpudiag report --checkpoint DIR``):
+    ``checkpoint/inspect.json`` and ``checkpoint/inspect.txt`` — structure and findings,
+    never tensor values."""
+    import json
+
+    from gpudiag.render.ckpt_lines import dcp_lines
+
+    doc = inspect(path).to_json()
+    return {
+        "checkpoint/inspect.json": json.dumps(doc, indent=1).encode(),
+        "checkpoint/inspect.txt": ("\n".join(dcp_lines(doc)) + "\n").encode(),
+    }

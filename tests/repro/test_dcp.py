@@ -3,6 +3,7 @@ and DDP jobs on gloo), healthy and with the faults made the way they happen."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -251,3 +252,21 @@ def test_damaged_metadata_never_escapes_as_anything_but_input_error(made: Path, 
         assert "\n" not in str(exc)
     finally:
         shutil.rmtree(folder)
+
+
+def test_report_bundles_the_inspection_never_the_tensors(made: Path, tmp_path: Path) -> None:
+    folder = copy_of(healthy("fsdp2-2", made), tmp_path / "ck")
+    os.remove(folder / "__1_0.distcp")
+    bundle = tmp_path / "bundle"
+    result = invoke(["report", "--checks", "env", "--checkpoint", str(folder), "-o", str(bundle)])
+    assert result.exit_code == 0, result.output
+    files = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file())
+    assert [f for f in files if f.startswith("checkpoint/")] == [
+        "checkpoint/inspect.json",
+        "checkpoint/inspect.txt",
+    ]
+    doc = json.loads((bundle / "checkpoint" / "inspect.json").read_text())
+    assert doc["schema"] == "gpudiag.ckpt/1" and [f["code"] for f in doc["findings"]] == ["dcp-file-missing"]
+    assert "dcp-file-missing" in (bundle / "checkpoint" / "inspect.txt").read_text()
+    assert all(set(t) == {"key", "shape", "dtype", "chunks"} for t in doc["tensors"])  # no values
+    assert sum((bundle / f).stat().st_size for f in files if f.startswith("checkpoint/")) < 64_000
