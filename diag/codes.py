@@ -220,6 +220,7 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
     ("dcp-file-missing", "error", "checkpoint", "a data file the DCP metadata names is not in the folder"),
     ("dcp-file-truncated", "error", "checkpoint", "a DCP data file is shorter than the byte ranges it holds"),
     ("dcp-chunk-damaged", "error", "checkpoint", "a stored chunk is not what the DCP metadata says"),
+    ("dcp-object-unsafe", "warning", "checkpoint", "a DCP object entry pickles arbitrary objects: not read"),
     ("dcp-coverage-gap", "error", "checkpoint", "a tensor's chunks leave a gap, overlap or reach past it"),
     ("nonfinite-in-checkpoint", "error", "checkpoint", "checkpoint tensors hold NaN or Inf"),
     (

@@ -177,6 +177,8 @@ def _read_everything(report: DcpReport) -> dict[str, list[str]]:
                         listed = isinstance(value, list) and all(isinstance(v, str) for v in value)
                         if listed and len(path) >= 4 and path[1] == "param_groups" and path[-1] == "params":
                             params.setdefault(str(path[0]), []).extend(value)
+                except dcp_read.UnsafeObject as exc:
+                    report.findings.append(_unsafe(entry, chunk, exc))
                 except InputError as exc:
                     report.findings.append(_damaged(entry, chunk, exc))
             if bad:
@@ -210,6 +212,17 @@ def _damaged(entry: Entry, chunk: Any, exc: InputError) -> Finding:
         },
         cause="bytes changed on disk or in a copy, or a .metadata from another save",
         fix="copy the file again from where the job saved it",
+    )
+
+
+def _unsafe(entry: Entry, chunk: Any, exc: InputError) -> Finding:
+    return Finding(
+        "dcp-object-unsafe",
+        "warning",
+        one_line(str(exc), 400),
+        {"key": entry.key, "file": chunk.file, "begin": chunk.begin, "length": chunk.length},
+        cause="the job saved an object of its own classes (a dataclass, a config) in the state dict",
+        fix="load it only if you trust the checkpoint; `ckpt convert --only GROUP` leaves it out",
     )
 
 

@@ -216,7 +216,10 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _object(entry: Entry, handle: Any, renames: Renames) -> Any:
     chunk = entry.chunks[0]
-    value = dcp_read.read_object(handle(chunk.file), entry, chunk)
+    try:
+        value = dcp_read.read_object(handle(chunk.file), entry, chunk)
+    except dcp_read.UnsafeObject as exc:
+        raise InputError(f"{exc}; not converted (--only GROUP leaves it out)") from None
     if renames and entry.path[-1] == "params" and isinstance(value, list):
         value = [renames[v][0] if isinstance(v, str) and v in renames else v for v in value]
     return value

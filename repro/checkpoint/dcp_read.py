@@ -178,13 +178,24 @@ def open_piece(handle: BinaryIO, entry: Entry, chunk: Chunk) -> Piece:
     )
 
 
+class UnsafeObject(InputError):
+    """An object entry needs globals outside the restricted reader's allowlist: not read."""
+
+
 def read_object(handle: BinaryIO, entry: Entry, chunk: Chunk) -> Any:
     """A pickled (non-tensor) entry, read by the restricted reader: plain values, lists,
-    dicts; tensors inside it are refused (DCP stores tensors as chunks)."""
+    dicts; tensors inside it are refused (DCP stores tensors as chunks), and so are
+    arbitrary objects (:class:`UnsafeObject`: reading them could run code)."""
     where = describe(entry, chunk)
     if chunk.transforms:
         raise PieceError(f"{where}: stored through extensions {list(chunk.transforms)} (unsupported)")
-    _, _, tree = _archive(handle, entry, chunk)
+    try:
+        _, _, tree = _archive(handle, entry, chunk)
+    except pickles.UnsafeCheckpoint as exc:
+        shown = ", ".join(one_line(n, 80) for n in exc.names[:4])
+        raise UnsafeObject(
+            f"{where}: a pickled object needing {shown}; not read (reading it could run code)"
+        ) from None
     if any(True for _ in pickles.tensor_refs(tree)):
         raise PieceError(f"{where}: an object entry holding tensors (unsupported)")
     return tree

@@ -5,17 +5,20 @@ DTensors); wrappers peeled; damaged folders refused without a partial output."""
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpudiag.repro.checkpoint import dcp_read
 from gpudiag.repro.checkpoint.dcp_convert import convert
 from gpudiag.repro.checkpoint.dcp_metadata import read_metadata
-from tests.helpers import invoke
+from tests.helpers import fuzz_examples, invoke
 from tests.repro.test_dcp_helpers import copy_of, healthy, snapshot, tiny
 
 pytestmark = pytest.mark.usefixtures("no_gpu")
@@ -54,7 +57,7 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("kind", ["single", "fsdp2-2", "fsdp2-3", "ddp", "colwise"])
+@pytest.mark.parametrize("kind", ["single", "fsdp2-2", "fsdp2-3", "ddp", "colwise", "edge"])
 def test_convert_is_bitwise_equal_to_torch_dcp_to_torch_save(made: Path, tmp_path: Path, kind: str) -> None:
     folder = healthy(kind, made)
     before = snapshot(folder)
@@ -152,3 +155,55 @@ def test_output_rules(made: Path, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "no such top-level group (the checkpoint has model, optim)" in bad.stderr
     usage = invoke(["ckpt", "convert", str(folder), str(tmp_path / "o.pt"), "--strip", "module."])
     assert usage.exit_code == 2 and "not for a DCP folder" in usage.stderr
+
+
+def test_an_object_of_the_jobs_own_class_is_named_and_never_run(tmp_path: Path) -> None:
+    from gpudiag.repro.checkpoint import dcp
+    from tests.repro.test_dcp_helpers import save_with_object
+
+    marker = tmp_path / "ran"
+    folder = save_with_object(tmp_path / "ck", marker)
+    report = dcp.verify(folder)
+    (found,) = report.findings
+    assert found.code == "dcp-object-unsafe" and found.evidence["key"] == "job.cfg"
+    assert "system" in found.message and "__0_0.distcp bytes" in found.message
+    refused = invoke(["ckpt", "convert", str(folder), str(tmp_path / "all.pt")])
+    assert refused.exit_code == 2 and "job.cfg" in refused.stderr and "--only GROUP" in refused.stderr
+    assert not (tmp_path / "all.pt").exists()
+    model_only = invoke(["ckpt", "convert", str(folder), str(tmp_path / "model.pt"), "--only", "model"])
+    assert model_only.exit_code == 0, model_only.output
+    tiny().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    assert not marker.exists()
+
+
+@settings(max_examples=fuzz_examples(40), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_damaged_data_files_give_findings_or_one_line_never_a_traceback(
+    made: Path, tmp_path: Path, data
+) -> None:  # type: ignore[no-untyped-def]
+    """Bytes of a rank's file overwritten or the file cut anywhere: verify reports findings
+    (exit 1) and convert refuses with one line (exit 2) or, when the damage missed every
+    byte range it reads, converts (exit 0); never an exception of another kind."""
+    source = healthy("fsdp2-2", made)
+    folder = tmp_path / f"f{data.draw(st.integers(0, 10**9))}"
+    shutil.copytree(source, folder)
+    target = folder / data.draw(st.sampled_from(["__0_0.distcp", "__1_0.distcp"]))
+    raw = bytearray(target.read_bytes())
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        for _ in range(data.draw(st.integers(1, 6))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+    target.write_bytes(bytes(raw))
+    try:
+        from gpudiag.repro.checkpoint import dcp
+
+        dcp.verify(folder)
+        out = tmp_path / "out.pt"
+        result = invoke(["ckpt", "convert", str(folder), str(out)], catch_exceptions=False)
+        assert result.exit_code in (0, 2)
+        if result.exit_code == 2:
+            assert result.stderr.count("\n") == 1 and not out.exists()
+        out.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(folder)

@@ -174,6 +174,52 @@ def colwise_rank(rank: int, world: int, folder: str) -> bytes:
     return b""
 
 
+def edge_rank(rank: int, world: int, folder: str) -> bytes:
+    """A 2x2 mesh (4 ranks): a tensor sharded over both dimensions (a grid of chunks), one
+    with fewer rows than ranks (an empty chunk), a channels_last conv weight (a strided
+    storage), a float16 tensor, and plain objects beside the tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3).to(memory_format=torch.channels_last)
+    state = {
+        "model": {
+            "tiny": distribute_tensor(torch.randn(1, 3), mesh, [Shard(0), Replicate()]),
+            "grid": distribute_tensor(torch.randn(5, 7), mesh, [Shard(0), Shard(1)]),
+            "conv": conv.weight.detach(),
+            "half": torch.randn(3, 2).half(),
+        },
+        "extra": {"note": "hello", "values": [1, 2.5, None]},
+    }
+    dcp.save(state, checkpoint_id=folder)
+    return b""
+
+
+class RunsCode:
+    """An object whose unpickling would run a command (a stand-in for a job's own class)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def save_with_object(folder: Path, marker: Path) -> Path:
+    """dcp.save of a model and, beside it, an object pickled with a global of its own."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": tiny().state_dict(), "job": {"cfg": RunsCode(marker)}}, checkpoint_id=str(folder))
+    return folder
+
+
 _MADE: dict[str, Path] = {}
 
 
@@ -190,11 +236,12 @@ def healthy(kind: str, root: Path) -> Path:
             save_fsdp2(folder, int(kind.split("-")[1]))
         elif kind == "ddp":
             save_ddp(folder)
-        elif kind == "colwise":
+        elif kind in ("colwise", "edge"):
             from gpudiag.runtime.launch import launch
 
             folder.mkdir(parents=True)
-            launch(colwise_rank, 2, args=(str(folder),), timeout=120)
+            job, world = (colwise_rank, 2) if kind == "colwise" else (edge_rank, 4)
+            launch(job, world, args=(str(folder),), timeout=120)
         else:
             raise ValueError(kind)
         _MADE[kind] = folder
