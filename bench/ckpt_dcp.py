@@ -73,8 +73,9 @@ def make_checkpoint(folder: Path) -> None:
     launch(_rank, 2, args=(str(folder),), timeout=600)
 
 
-def run(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of a child process, started after a write-back."""
+def run(argv: list[str]) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS MiB, CPU seconds) of a child process, started after a
+    write-back (CPU: user + system, which a loaded machine does not inflate as it does wall)."""
     os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -82,7 +83,7 @@ def run(argv: list[str]) -> tuple[float, float]:
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{argv[:3]} failed: {proc.stderr.read().decode()[-400:] if proc.stderr else ''}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -102,18 +103,25 @@ def main() -> None:
     size = sum(p.stat().st_size for p in src.iterdir())
     print(f"checkpoint: {src} ({size / 2**30:.2f} GiB in {len(list(src.iterdir()))} files)")
     gpudiag = str(Path(sys.executable).parent / "gpudiag")
-    runs: dict[str, list[tuple[float, float]]] = {"cat": [], "convert": []}
+    runs: dict[str, list[tuple[float, float, float]]] = {"cat": [], "convert": []}
     out = folder / "out.pt"
     for _ in range(args.repeats):
         runs["cat"].append(run(["sh", "-c", CAT_SYNC, "sh", str(src), str(folder / "cat.bin")]))
         runs["convert"].append(run([gpudiag, "ckpt", "convert", str(src), str(out), "--force"]))
     theirs = run([sys.executable, "-c", TORCH, str(src), str(folder / "torch.pt")])
     base = run([sys.executable, "-c", "import gpudiag.repro.checkpoint.dcp_convert"])
-    cat = statistics.median(w for w, _ in runs["cat"])
-    conv = statistics.median(w for w, _ in runs["convert"])
-    conv_rss = max(r for _, r in runs["convert"])
-    print(f"cat + sync: median {cat:.2f} s")
-    print(f"gpudiag ckpt convert: median {conv:.2f} s, peak RSS {conv_rss:.0f} MiB")
+    cat = statistics.median(w for w, _, _ in runs["cat"])
+    conv = statistics.median(w for w, _, _ in runs["convert"])
+    conv_rss = max(r for _, r, _ in runs["convert"])
+    cat_cpu = statistics.median(c for _, _, c in runs["cat"])
+    conv_cpu = statistics.median(c for _, _, c in runs["convert"])
+    print(f"os.getloadavg(): {os.getloadavg()[0]:.1f} (a busy machine slows convert's CPU share most)")
+    each = [round(w, 2) for w, _, _ in runs["cat"]]
+    print(f"cat + sync: median {cat:.2f} s, CPU {cat_cpu:.2f} s; each: {each}")
+    print(
+        f"gpudiag ckpt convert: median {conv:.2f} s, CPU {conv_cpu:.2f} s, peak RSS {conv_rss:.0f} MiB; "
+        f"each: {[round(w, 2) for w, _, _ in runs['convert']]}"
+    )
     print(f"torch dcp_to_torch_save: {theirs[0]:.2f} s, peak RSS {theirs[1]:.0f} MiB")
     print(f"baseline (python + gpudiag's converter imported): peak RSS {base[1]:.0f} MiB")
     for name in ("cat.bin", "out.pt", "torch.pt"):
