@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from gpudiag.errors import InputError
 from gpudiag.repro.checkpoint import dcp, dcp_read
-from gpudiag.repro.checkpoint.dcp_metadata import read_metadata
+from gpudiag.repro.checkpoint.dcp_check import _coverage_problem, strip_wrappers
+from gpudiag.repro.checkpoint.dcp_metadata import Chunk, Entry, read_metadata
+from gpudiag.repro.checkpoint.dcp_read import crc32_combine
 from tests.helpers import fuzz_examples, invoke, json_of
 from tests.repro.test_dcp_helpers import copy_of, healthy, rewrite_metadata, snapshot
 
@@ -270,3 +272,56 @@ def test_report_bundles_the_inspection_never_the_tensors(made: Path, tmp_path: P
     assert "dcp-file-missing" in (bundle / "checkpoint" / "inspect.txt").read_text()
     assert all(set(t) == {"key", "shape", "dtype", "chunks"} for t in doc["tensors"])  # no values
     assert sum((bundle / f).stat().st_size for f in files if f.startswith("checkpoint/")) < 64_000
+
+
+def _grid(shape: tuple[int, ...], cuts: list[list[int]]) -> list[Chunk]:
+    """The chunks of ``shape`` cut at ``cuts`` along each dimension (a DTensor placement)."""
+    import itertools
+
+    edges = [sorted({0, n, *(c for c in cs if 0 < c < n)}) for n, cs in zip(shape, cuts, strict=True)]
+    spans = [list(itertools.pairwise(e)) or [(0, 0)] for e in edges]
+    return [
+        Chunk(tuple(a for a, _ in box), tuple(b - a for a, b in box), "__0_0.distcp")
+        for box in itertools.product(*spans)
+    ]
+
+
+@settings(max_examples=fuzz_examples(200), deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple),
+    data=st.data(),
+)
+def test_coverage_accepts_every_tiling_and_names_a_dropped_or_repeated_chunk(shape, data) -> None:  # type: ignore[no-untyped-def]
+    cuts = [data.draw(st.lists(st.integers(0, n), max_size=3)) for n in shape]
+    chunks = _grid(shape, cuts)
+    entry = Entry("w", ("w",), "float32", shape, chunks)
+    assert _coverage_problem(entry) is None
+    i = data.draw(st.integers(0, len(chunks) - 1))
+    dropped = Entry("w", ("w",), "float32", shape, chunks[:i] + chunks[i + 1 :])
+    problem = _coverage_problem(dropped) or ""
+    assert "a gap" in problem or (len(chunks) == 1 and problem == "no chunk stores it")
+    repeated = Entry("w", ("w",), "float32", shape, [*chunks, chunks[i]])
+    assert "overlap" in (_coverage_problem(repeated) or "")
+
+
+@settings(max_examples=fuzz_examples(200), deadline=None)
+@given(a=st.binary(max_size=300), b=st.binary(max_size=3000))
+def test_crc32_combine_is_the_crc_of_the_concatenation(a: bytes, b: bytes) -> None:
+    import zlib
+
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize(
+    "key, plain",
+    [
+        ("layers.0._checkpoint_wrapped_module._orig_mod.attn.weight", "layers.0.attn.weight"),
+        ("_orig_mod.module.fc.weight", "fc.weight"),
+        ("module.encoder.module.weight", "encoder.module.weight"),  # an inner module. is a name
+        ("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.w", "layers.0.w"),
+        ("fc.weight", "fc.weight"),
+    ],
+)
+def test_strip_wrappers(key: str, plain: str) -> None:
+    assert strip_wrappers(key) == plain
+    assert strip_wrappers(plain) == plain
