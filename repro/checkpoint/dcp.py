@@ -162,7 +162,12 @@ def _read_everything(report: DcpReport) -> dict[str, list[str]]:
             for chunk in _usable(report, entry):
                 handle = handles.get(chunk.file or "")
                 if handle is None:
-                    handle = stack.enter_context(open(meta.folder / (chunk.file or ""), "rb"))
+                    try:
+                        handle = stack.enter_context(open(meta.folder / (chunk.file or ""), "rb"))
+                    except OSError as exc:
+                        raise InputError(
+                            f"cannot read {meta.folder / (chunk.file or '')}: {exc.strerror or exc}"
+                        ) from None
                     handles[chunk.file or ""] = handle
                 try:
                     if entry.is_tensor:

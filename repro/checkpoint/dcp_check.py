@@ -179,8 +179,9 @@ def optimizer_findings(meta: Metadata, params: dict[str, list[str]] | None = Non
     by_group: dict[str, dict[str, set[str]]] = {}
     for entry in meta.entries:
         path = entry.path
-        if len(path) >= 4 and path[1] == "state" and isinstance(path[2], str):
-            by_group.setdefault(str(path[0]), {}).setdefault(path[2], set()).add(".".join(map(str, path[3:])))
+        if len(path) >= 4 and path[1] == "state" and isinstance(path[2], (str, int)):
+            param = str(path[2])  # a name (get_state_dict) or a position (optimizer.state_dict())
+            by_group.setdefault(str(path[0]), {}).setdefault(param, set()).add(".".join(map(str, path[3:])))
     findings = []
     for group, state in by_group.items():
         names = set().union(*state.values())

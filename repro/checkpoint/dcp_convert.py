@@ -93,7 +93,10 @@ def convert(
 
         def handle(name: str) -> BinaryIO:
             if name not in handles:
-                handles[name] = stack.enter_context(open(meta.folder / name, "rb"))
+                try:
+                    handles[name] = stack.enter_context(open(meta.folder / name, "rb"))
+                except OSError as exc:
+                    raise InputError(f"cannot read {meta.folder / name}: {exc.strerror or exc}") from None
             return handles[name]
 
         if fmt == "pt":

@@ -345,7 +345,7 @@ def _interpret(folder: Path, root: Any, source: str) -> Metadata:
             raise _bad(source, f"tensor {one_line(key, 80)!r} has no size or chunk list")
         chunks = []
         for md in chunks_md:
-            offsets, sizes = md.get("offsets") if isinstance(md, _Stub) else None, None
+            offsets = md.get("offsets") if isinstance(md, _Stub) else None
             sizes = md.get("sizes") if isinstance(md, _Stub) else None
             if not isinstance(offsets, tuple) or not isinstance(sizes, tuple) or len(offsets) != len(shape):
                 raise _bad(source, f"a chunk of {one_line(key, 80)!r} has no offsets/sizes of its rank")
