@@ -14,9 +14,11 @@ removal makes the keys match (``key-path-wrapper``).
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from typing import Any
 
+from gpudiag.errors import InputError
 from gpudiag.findings import Finding
 from gpudiag.repro.checkpoint.dcp_metadata import Chunk, Entry, Metadata, saving_rank
 from gpudiag.repro.checkpoint.keys import WRAPPER_PREFIXES
@@ -50,11 +52,15 @@ def file_findings(meta: Metadata) -> tuple[list[Finding], dict[str, int | None]]
     for name in meta.files():
         path = meta.folder / name
         try:
-            size: int | None = os.stat(path).st_size
+            info = os.stat(path)
         except FileNotFoundError:
-            size = None
+            size: int | None = None
         except OSError as exc:
             raise_unreadable(path, exc)
+        else:
+            if not stat.S_ISREG(info.st_mode):
+                raise InputError(f"cannot read {path}: not a regular file")
+            size = info.st_size
         sizes[name] = size
         keys = list(dict.fromkeys(e.key for e, _ in users[name]))
         if size is None:
@@ -94,8 +100,6 @@ def file_findings(meta: Metadata) -> tuple[list[Finding], dict[str, int | None]]
 
 
 def raise_unreadable(path: os.PathLike[str], exc: OSError) -> None:
-    from gpudiag.errors import InputError
-
     raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 

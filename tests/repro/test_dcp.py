@@ -325,3 +325,15 @@ def test_crc32_combine_is_the_crc_of_the_concatenation(a: bytes, b: bytes) -> No
 def test_strip_wrappers(key: str, plain: str) -> None:
     assert strip_wrappers(key) == plain
     assert strip_wrappers(plain) == plain
+
+
+def test_a_data_file_that_cannot_be_read_is_one_line_exit_2(made: Path, tmp_path: Path) -> None:
+    folder = copy_of(healthy("fsdp2-2", made), tmp_path / "ck")
+    os.remove(folder / "__1_0.distcp")
+    (folder / "__1_0.distcp").mkdir()  # not a file: open() fails
+    for args in (["ckpt", "verify", str(folder)], ["ckpt", "convert", str(folder), str(tmp_path / "o.pt")]):
+        result = invoke(args)
+        assert result.exit_code == 2 and result.stdout == "", result.output
+        assert "cannot read" in result.stderr and "__1_0.distcp" in result.stderr
+        assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "o.pt").exists()
