@@ -29,6 +29,7 @@ SECTIONS = {
     "hang": "Hangs (`gpudiag hang`)",
     "bench": "Training speed (`gpudiag bench`)",
     "sweep": "A cluster, node by node (`gpudiag sweep`)",
+    "checkpoint": "Distributed checkpoints (`gpudiag ckpt inspect|verify DIR`)",
 }
 
 
@@ -221,6 +222,35 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
         "ranks still wait in a broadcast, scatter, gather or reduce that another rank completed",
     ),
     ("hang-dump-left-out", "warning", "hang", "a file given was not judged: not a dump, or another job's"),
+    # distributed checkpoints (gpudiag ckpt inspect|verify DIR)
+    (
+        "dcp-metadata-unsafe",
+        "error",
+        "checkpoint",
+        "a DCP .metadata names objects outside DCP's metadata types",
+    ),
+    ("dcp-file-missing", "error", "checkpoint", "a data file the DCP metadata names is not in the folder"),
+    ("dcp-file-truncated", "error", "checkpoint", "a DCP data file is shorter than the byte ranges it holds"),
+    ("dcp-chunk-damaged", "error", "checkpoint", "a stored chunk is not what the DCP metadata says"),
+    ("dcp-object-unsafe", "warning", "checkpoint", "a DCP object entry pickles arbitrary objects: not read"),
+    ("dcp-coverage-gap", "error", "checkpoint", "a tensor's chunks leave a gap, overlap or reach past it"),
+    ("nonfinite-in-checkpoint", "error", "checkpoint", "checkpoint tensors hold NaN or Inf"),
+    (
+        "optimizer-state-partial",
+        "warning",
+        "checkpoint",
+        "an optimizer's state misses entries for some parameters",
+    ),
+    ("keys-missing", "error", "checkpoint", "model keys the checkpoint does not hold"),
+    (
+        "keys-unexpected",
+        "warning",
+        "checkpoint",
+        "checkpoint keys the model does not have (DCP ignores them)",
+    ),
+    ("shape-mismatch", "error", "checkpoint", "tensors whose shape differs from the model's"),
+    ("dtype-cast-silent", "warning", "checkpoint", "tensors that loading would cast to the model's dtype"),
+    ("key-path-wrapper", "warning", "checkpoint", "keys carry wrapper segments (_orig_mod., module.…)"),
 )
 
 #: Every finding code, by name.

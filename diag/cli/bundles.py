@@ -64,6 +64,10 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
 
         here.files.update(collect(options["hang"]))
         names += () if "hang" in names else ("hang",)
+    if options.get("checkpoint"):  # a DCP folder: its inspection bundled, never its tensors
+        from gpudiag.repro.checkpoint.dcp import bundle_files
+
+        here.files.update(bundle_files(options["checkpoint"]))
     report = run_report(
         here,
         names,
@@ -95,14 +99,21 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     help="A hang folder (what gpudiag run -o DIR or gpudiag.watch(hang_timeout=) wrote, or "
     "flight-recorder dumps): bundled, and judged by the hang check.",
 )
+@click.option(
+    "--checkpoint",
+    metavar="DIR",
+    help="A distributed checkpoint folder (.metadata + .distcp): its inspection is bundled "
+    "(structure and findings, never its tensors).",
+)
 @click.pass_context
 def report(ctx: click.Context, **options: Any) -> None:
     """Run the checks and write a bug-report bundle a maintainer can reproduce.
 
     The bundle (a folder, or a .zip) holds report.json, REPORT.md to paste into an issue,
     repro.py (torch only) for each failing check, traces and per-rank logs, and with
-    --hang DIR the job's flight-recorder dumps (as JSON), stacks and verdict; secrets never
-    reach it. Exit 1 when a check fails.
+    --hang DIR the job's flight-recorder dumps (as JSON), stacks and verdict, with
+    --checkpoint DIR a DCP checkpoint's inspection (checkpoint/); secrets never reach it.
+    Exit 1 when a check fails.
     """
     ctx.exit(_run_suite("report", options).exit_code())
 

@@ -13,7 +13,7 @@ from gpudiag.cli.options import format_option
 
 @cli.group()
 def ckpt() -> None:
-    """Inspect checkpoints and repair DataParallel/DDP/compile key prefixes, safely."""
+    """Inspect, verify and convert checkpoints (single files and DCP folders), safely."""
 
 
 @ckpt.command("inspect")
@@ -29,10 +29,34 @@ def ckpt() -> None:
 def ckpt_inspect(ctx: click.Context, path: str, model: str | None, trust: bool, fmt: str) -> None:
     """Show the format, state dicts, wrapper prefixes and other entries of a checkpoint.
     With --model: exit 1 when it does not load strictly into it."""
-    from gpudiag.render import render
-    from gpudiag.repro.checkpoint import inspect
+    from pathlib import Path
 
-    result = inspect(path, model=model, trust=trust)
+    from gpudiag.render import render
+
+    if Path(path).is_dir():  # a torch.distributed.checkpoint folder
+        from gpudiag.repro.checkpoint import dcp
+
+        result: Any = dcp.inspect(path, model=model)
+    else:
+        from gpudiag.repro.checkpoint import inspect
+
+        result = inspect(path, model=model, trust=trust)
+    render("ckpt_inspect", result, fmt, sys.stdout)
+    ctx.exit(result.exit_code())
+
+
+@ckpt.command("verify")
+@click.argument("path", metavar="DIR")
+@click.option("--model", metavar="SPEC", help="Also compare keys, shapes and dtypes with this model.")
+@format_option(("text", "json", "markdown"))
+@click.pass_context
+def ckpt_verify(ctx: click.Context, path: str, model: str | None, fmt: str) -> None:
+    """Read every byte range of a DCP folder: files, coverage, CRC-32s, NaN/Inf, optimizer
+    state, the target model. Exit 1 when a problem is found, 2 when it cannot be read."""
+    from gpudiag.render import render
+    from gpudiag.repro.checkpoint import dcp
+
+    result = dcp.verify(path, model=model)
     render("ckpt_inspect", result, fmt, sys.stdout)
     ctx.exit(result.exit_code())
 
@@ -51,10 +75,37 @@ def ckpt_inspect(ctx: click.Context, path: str, model: str | None, trust: bool, 
     "--trust-checkpoint", "trust", is_flag=True, help="Allow arbitrary pickled objects (runs code!)."
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing OUT.")
+@click.option("--only", metavar="GROUP", help="DCP folder: keep one top-level group (e.g. model).")
+@click.option(
+    "--keys",
+    type=click.Choice(["auto", "keep"]),
+    default=None,
+    help="DCP folder: auto (default) removes wrapper segments (_orig_mod. …) at any depth; "
+    "keep leaves keys as saved.",
+)
 @format_option(("text", "json", "markdown"))
-def ckpt_convert(src: str, dst: str, fmt: str, trust: bool, **options: Any) -> None:
-    """Rename checkpoint keys: auto-peel module./_orig_mod./… or as told. IN is never changed."""
+def ckpt_convert(
+    src: str, dst: str, fmt: str, trust: bool, only: str | None, keys: str | None, **options: Any
+) -> None:
+    """Rename checkpoint keys: auto-peel module./_orig_mod./… or as told; or turn a DCP
+    folder (IN a directory) into one OUT.pt or OUT.safetensors. IN is never changed."""
+    from pathlib import Path
+
     from gpudiag.render import render
+
+    if Path(src).is_dir():
+        from gpudiag.repro.checkpoint import dcp_convert
+
+        given = [f"--{k.replace('_', '-')}" for k in ("model", "strip", "add", "dry_run") if options.get(k)]
+        if given or trust:
+            raise click.UsageError(f"{', '.join(given or ['--trust-checkpoint'])}: not for a DCP folder")
+        result = dcp_convert.convert(
+            src, dst, only=only, keys=keys or "auto", to=options["to"], force=options["force"]
+        )
+        render("ckpt_convert", result, fmt, sys.stdout)
+        return
+    if only or keys:
+        raise click.UsageError("--only and --keys are for a DCP folder (IN a directory)")
     from gpudiag.repro.checkpoint import convert
 
     options["strip"] = list(options["strip"])

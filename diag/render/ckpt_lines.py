@@ -9,7 +9,9 @@ from typing import Any
 def ckpt_lines(kind: str, doc: dict[str, Any]) -> list[str]:
     """Plain lines shared by the text and markdown views of ckpt results."""
     lines = []
-    if kind == "inspect":
+    if kind == "inspect" and doc.get("format") == "dcp":
+        lines += dcp_lines(doc)
+    elif kind == "inspect":
         lines += inspect_lines(doc)
         lines += [f"  warning: {w}" for w in doc["warnings"]]
     else:
@@ -93,4 +95,64 @@ def keys_summary(sd: dict[str, Any]) -> list[str]:
         names = [f"{name} x{n}" for name, n in modules.items()]
         more = f", … ({len(names)} in all)" if len(names) > 8 else ""
         lines.append("    top-level names: " + ", ".join(names[:8]) + more)
+    return lines
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "missing"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n = n / 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def dcp_lines(doc: dict[str, Any]) -> list[str]:
+    """A DCP folder (``ckpt inspect|verify DIR``): the verdict and every finding first,
+    then the groups, files, wrappers and the first tensors (``--format json`` has all)."""
+    files = doc["files"]
+    total = sum(f["bytes"] or 0 for f in files)
+    saved = f"saved by {doc['world_size']} rank(s)" if doc["world_size"] else "ranks unknown"
+    lines = [
+        f"{doc['path']}: dcp (torch.distributed.checkpoint {doc['version'] or '?'}), {saved}, "
+        f"{len(files)} file(s), {_size(total)}"
+    ]
+    findings = doc["findings"]
+    bad = [f for f in findings if f["severity"] in ("warning", "error")]
+    if not bad:
+        what = "every byte range read and checked" if doc["command"] == "verify" else "structure checked"
+        lines.append(f"  healthy: {what}, no problem found")
+    else:
+        errors = sum(f["severity"] == "error" for f in bad)
+        lines.append(f"  {len(bad)} problem(s): {errors} error(s), {len(bad) - errors} warning(s)")
+    for f in findings:
+        lines.append(f"  {f['severity']} {f['code']}: {f['message']}")
+        if f.get("fix") and f["severity"] != "info":
+            lines.append(f"    fix: {f['fix']}")
+    m = doc["model"]
+    if m is not None:
+        where = f" (group {m['group']!r})" if m["group"] else ""
+        state = (
+            "loads strictly into --model" if m["loads_strictly"] else "does NOT load strictly into --model"
+        )
+        lines.append(f"  {state}{where}" + (f"; fix: {m['rename']}" if m.get("rename") else ""))
+    for g in doc["groups"]:
+        name = g["name"] or "(top level)"
+        lines.append(f"  group {name}: {g['tensors']} tensors, {g['objects']} objects, {_size(g['bytes'])}")
+    for f in files:
+        rank = f"rank {f['rank']}" if f["rank"] is not None else "rank ?"
+        lines.append(f"  file {f['name']}: {rank}, {_size(f['bytes'])}")
+    if doc["wrappers"]:
+        shown = ", ".join(f"{k}. x{v}" for k, v in doc["wrappers"].items())
+        lines.append(f"  wrapper segments in keys: {shown} (`ckpt convert --keys auto` removes them)")
+    tensors = doc["tensors"]
+    for t in tensors[:5]:
+        lines.append(f"  tensor {t['key']} {t['shape']} {t['dtype']} in {len(t['chunks'])} chunk(s)")
+    if len(tensors) > 5:
+        lines.append(
+            f"  … {len(tensors)} tensors and {len(doc['objects'])} objects in all (--format json lists them)"
+        )
+    if doc["command"] == "verify" and doc["verified_bytes"] is not None:
+        lines.append(f"  read: {_size(doc['verified_bytes'])} of tensor values, each range's CRC-32 checked")
     return lines

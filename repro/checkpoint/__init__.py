@@ -122,8 +122,13 @@ def _describe_entry(key: Any, value: Any) -> dict[str, Any]:
     return {"key": str(key), "kind": kind, "value": shown}
 
 
-def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bool = False) -> InspectResult:
-    """What the checkpoint holds, and with ``model`` whether it loads strictly."""
+def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bool = False) -> Any:
+    """What the checkpoint holds, and with ``model`` whether it loads strictly: an
+    :class:`InspectResult`, or for a DCP folder a :class:`.dcp.DcpReport`."""
+    if os.path.isdir(path):
+        from gpudiag.repro.checkpoint import dcp
+
+        return dcp.inspect(path, model=model)
     loaded = load(path, trust=trust)
     found = state_dicts(loaded)
     infos = []

@@ -132,8 +132,9 @@ def load(path: str | os.PathLike[str], *, trust: bool = False) -> Loaded:
     name = str(path)
     if fmt == "dcp":
         raise InputError(
-            f"{path} is a torch.distributed.checkpoint (DCP) folder; convert it to one file first with "
-            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dcp_dir, 'model.pt')"
+            f"{path} is a torch.distributed.checkpoint (DCP) folder: `gpudiag ckpt inspect|verify DIR` "
+            "reads it, `gpudiag ckpt convert DIR OUT.pt` makes one file of it (--strip/--add/--model "
+            "are for single files)"
         )
     if fmt == "safetensors":
         tensors, meta, start = _read_safetensors_header(path)

@@ -324,10 +324,14 @@ def test_bad_inputs(tmp_path: Path, content: bytes, message: str) -> None:
     assert not (tmp_path / "o.pt").exists()
 
 
-def test_dcp_folder_is_refused_naming_the_torch_function(tmp_path: Path) -> None:
+def test_dcp_folder_goes_to_the_dcp_reader(tmp_path: Path) -> None:
+    """(DCP folders: tests/repro/test_dcp*.py.) The single-file options refuse one, naming
+    the commands that read it; inspect reads it as DCP."""
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(b"x")
-    with pytest.raises(InputError, match="dcp_to_torch_save"):
+    with pytest.raises(InputError, match=r"gpudiag ckpt convert DIR OUT\.pt"):
+        convert(tmp_path / "dcp", tmp_path / "o.pt", strip=["module."])
+    with pytest.raises(InputError, match="damaged or truncated DCP metadata"):
         inspect(tmp_path / "dcp")
 
 
