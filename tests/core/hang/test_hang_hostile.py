@@ -27,7 +27,7 @@ from gpudiag.hang.analysis import analyse
 from gpudiag.hang.reader import read_dumps
 from gpudiag.hang.result import judge
 from gpudiag.render import render
-from tests.helpers import FR, ROOT, fuzz_examples
+from tests.helpers import FR, ROOT, fuzz_examples, within
 
 SKIP = FR / "gloo" / "skip" / "pickle"
 
@@ -68,7 +68,7 @@ def test_a_small_dump_claiming_rank_99999_answers_in_bounded_time_memory_and_out
     elapsed = time.monotonic() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert code == 1 and elapsed < 20 and peak < 400 << 20, (elapsed, peak)
+    assert code == 1 and elapsed < within(idle_s=2.0) and peak < 400 << 20, (elapsed, peak)
     assert len(text) < 20_000 and "3-99999  (no dump)" in text, text[:2000]
     code, document = hang(str(folder), "--format", "json")
     assert code == 1 and len(document) < 2_000_000
@@ -118,11 +118,11 @@ def test_a_string_shared_two_thousand_times_is_counted_per_reference_before_it_i
     (folder / "nccl_trace_rank_0").write_bytes(data)
     start = time.monotonic()
     code, text = hang(str(folder))
-    assert code in (0, 1, 3) and len(text) < 100_000 and time.monotonic() - start < 30
+    assert code in (0, 1, 3) and len(text) < 100_000 and time.monotonic() - start < within(idle_s=3.0)
     start = time.monotonic()
     with pytest.raises(InputError, match="MiB of text"):
         bundled.collect(str(folder))  # (report --hang writes every reference out)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < within(idle_s=3.0)
 
 
 def _special_number(i: int) -> int:

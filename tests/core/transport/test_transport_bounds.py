@@ -21,10 +21,11 @@ from gpudiag.cli import cli
 from gpudiag.transport.analysis import analyze
 from gpudiag.transport.bundled import bundled_logs
 from gpudiag.transport.reader import read_log
+from tests.helpers import within
 from tests.helpers.nccl_hostile import HOSTILE, MIB, many_hosts
 
-#: Seconds one hostile 1 MB input may take to be read and analysed (measured ≤ 0.9 s).
-BOUND = 20.0
+#: Seconds one hostile 1 MB input may take to be read and analysed (measured ≤ 0.9 s at load 5).
+BOUND = within(idle_s=2.0)  # (5.8 s at most at load 14)
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
@@ -44,7 +45,7 @@ def test_the_exponential_line_of_issue_44_is_linear() -> None:
     for digits in (22, 30, 40, 1000):
         log = read_log([(f"Ring 0 : {'1' * digits}x via P2P/IPC\n", "x")])
         assert log.connections == []
-    assert time.perf_counter() - start < 1.0  # (measured 0.3 ms)
+    assert time.perf_counter() - start < within(idle_s=0.1)  # (measured 0.3 ms; 22 digits took 0.7 s before)
 
 
 def test_many_distinct_hosts_are_read_and_anonymised_in_bounded_time() -> None:
@@ -57,7 +58,7 @@ def test_many_distinct_hosts_are_read_and_anonymised_in_bounded_time() -> None:
     assert len(log.hosts) == 20_000
     ((bundled, _),), notes = bundled_logs([(text, "hosts.log")], anonymize=True)
     assert "host19999" not in bundled and "anon-host-20000" in bundled and notes == []
-    assert time.perf_counter() - start < 120.0  # (measured 12 s with the machine's load at 14)
+    assert time.perf_counter() - start < within(idle_s=12.0)  # (measured 12 s at load 14)
 
 
 def test_report_reads_a_hostile_log_in_bounded_time(tmp_path: Path) -> None:
@@ -70,4 +71,4 @@ def test_report_reads_a_hostile_log_in_bounded_time(tmp_path: Path) -> None:
     )
     seconds = time.perf_counter() - start
     assert result.exit_code in (0, 1), result.output
-    assert seconds < 60.0, seconds  # (measured 4.6 s at load 14, most of it the redactor's pass)
+    assert seconds < within(idle_s=6.0), seconds  # (4.6 s at load 14, most of it the redactor's)
