@@ -69,9 +69,10 @@ def esc(value: Any, limit: int = 80) -> str:
     )
 
 
-def fit(value: Any, width_px: float) -> str:
-    """``value`` escaped and cut to what fits ``width_px`` at :data:`FONT` (monospace)."""
-    return esc(value, max(int(width_px // CHAR_W), 1))
+def fit(value: Any, width_px: float, size: float = FONT) -> str:
+    """``value`` escaped and cut to what fits ``width_px`` at font ``size`` (px, monospace;
+    :data:`FONT` by default)."""
+    return esc(value, max(int(width_px // (CHAR_W * size / FONT)), 1))
 
 
 def wrap(value: Any, width_px: float, lines: int = 2) -> list[str]:

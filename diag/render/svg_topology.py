@@ -137,7 +137,7 @@ def topology_svg(result: Any, marked: Mapping[tuple[int, int], str] | None = Non
         second = info.get("name") or (f"CPU {info['cpu_affinity']}" if info.get("cpu_affinity") else "")
         if second:
             svg.text(
-                xs[g] + CELL_W / 2, top + 35, fit(second, CELL_W - 8), size=11, fill=MUTED,
+                xs[g] + CELL_W / 2, top + 35, fit(second, CELL_W - 8, size=11), size=11, fill=MUTED,
                 **{"text-anchor": "middle"},
             )  # fmt: skip
 
