@@ -94,8 +94,10 @@ def _differences_text(differences: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {a} → {b}" for k, (a, b) in differences.items())
 
 
-def failure_finding(strategy: str, mode: str, failure: RankFailure) -> Finding:
-    finding = failure.to_finding()
+def failure_finding(strategy: str, mode: str, failure: RankFailure, simulated: bool = False) -> Finding:
+    """``failure`` as a finding of ``strategy`` in ``mode``; on CPU virtual devices
+    (``simulated``) a hung rank is never put on a link or NCCL."""
+    finding = failure.to_finding(simulated=simulated)
     return replace(
         finding,
         message=f"{strategy} ({mode}): {finding.message}",
@@ -189,6 +191,30 @@ def unused_finding(unused: list[str]) -> Finding:
         cause="parameters that do not contribute to the loss (an unused branch or head)",
         fix="pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
         "or remove the unused parameters",
+    )
+
+
+def rank_unused_finding(by_rank: dict[int, list[str]], sites: TrainModeSites) -> Finding:
+    """Parameters some DDP rank's shard leaves without a gradient and another uses (found
+    by :func:`gpudiag.checks.gradcheck.usage.unused_by_shard` before DDP ran)."""
+    names = list(dict.fromkeys(n for names in by_rank.values() for n in names))
+    ranks = "; ".join(
+        f"rank {r}: " + ", ".join(by_rank[r][:2]) + ("…" if len(by_rank[r]) > 2 else "")
+        for r in sorted(by_rank)
+    )
+    drawn = f" (or a random draw decided it: {sites_text(sites.random)})" if sites.random else ""
+    return Finding(
+        "unused-parameters",
+        "warning",
+        f"{len(names)} parameter(s) get a gradient on some DDP ranks' shards and none on others ({ranks}): "
+        "DDP without find_unused_parameters=True waits for them on the ranks that use them and stalls; "
+        "compared with find_unused_parameters=True",
+        {"params": names, "per_rank": {str(r): v for r, v in sorted(by_rank.items())}, "scope": "per rank"},
+        cause="parameters used by some samples only (an MoE expert no token of a shard is routed to, a "
+        f"branch some inputs take){drawn}",
+        fix="pass find_unused_parameters=True to DistributedDataParallel (static_graph=True does not "
+        "help: the set changes with the data), or make every expert contribute on every rank (a zero-"
+        "weighted term)",
     )
 
 

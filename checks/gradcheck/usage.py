@@ -1,0 +1,77 @@
+"""Which parameters each DDP rank's shard leaves without a gradient, found before DDP runs.
+
+A parameter unused on the whole batch is seen in single's gradients; one unused on one
+rank's shard alone (an MoE whose image experts get no tokens there, a branch taken by
+some samples) is not — yet DDP without ``find_unused_parameters`` waits for its gradient
+on that rank and stalls (or fails on the next step, or all-reduces a bucket on some ranks
+only). :func:`unused_by_shard` runs the model's forward and the loss on each shard, as
+rank r will, and walks the autograd graph from the loss to the parameters it reaches —
+what DDP's own ``find_unused_parameters`` does after each forward — without a backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpudiag.runtime.batch import call_model, split
+from gpudiag.runtime.stepping import loss_fn
+
+
+def reached(root: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) the autograd graph of ``root`` reaches."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    todo = [root.grad_fn] if root.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf itself
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
+    return found
+
+
+def unused_by_shard(
+    model: nn.Module,
+    inputs: Any,
+    targets: torch.Tensor,
+    world: int,
+    loss: Any,
+    select: Callable[[Any], Any] | None,
+) -> dict[int, list[str]]:
+    """Per rank (of ``world`` contiguous ``torch.chunk`` shards), the trainable parameters
+    (module order) that the loss on that rank's shard does not depend on; ranks that use
+    every parameter are left out. A shard whose forward or loss raises is left out too
+    (the runs report it). ``model`` is run as it is (the caller's copy, in train mode)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out: dict[int, list[str]] = {}
+    pieces = split(inputs, world)
+    with torch.enable_grad():
+        for rank, (x, y) in enumerate(zip(pieces, targets.chunk(world), strict=False)):
+            try:
+                output = call_model(model, x)
+                value = loss_fn(loss, output if select is None else select(output), y)
+            except Exception:  # the runs name the model's error where it happens
+                continue
+            if not isinstance(value, torch.Tensor):
+                continue
+            used = reached(value)
+            missing = [n for n, p in named if id(p) not in used]
+            if missing:
+                out[rank] = missing
+    return out
+
+
+def rank_only(by_rank: dict[int, list[str]], world: int) -> dict[int, list[str]]:
+    """Of ``by_rank``, the parameters some rank uses and another does not (a parameter
+    unused on every shard is an ordinary unused parameter, seen in single's gradients)."""
+    everywhere = set.intersection(*(set(v) for v in by_rank.values())) if len(by_rank) == world else set()
+    kept = {r: [n for n in names if n not in everywhere] for r, names in by_rank.items()}
+    return {r: names for r, names in kept.items() if names}
