@@ -42,17 +42,18 @@ def batch_size_finding(cs: list[Comparison], world: int, ratio: float) -> Findin
     )
 
 
-def unseeded_finding(sites: tuple[Site, ...], c: Comparison, spread: float) -> Finding:
+def unseeded_finding(sites: tuple[Site, ...], cs: list[Comparison], spread: float) -> Finding:
     """single twice from the same seed differs, no kernel is non-deterministic, and the
     probe recorded random draws: they come from a generator the seed does not reach."""
     return Finding(
         "unseeded-random",
         "error",
         f"two single runs with the same seed differ by {spread:.3g}: the forward draws random numbers the "
-        f"seed does not reach ({_sites(sites)}); {c.strategy} differs by {c.rel_norm_err:.3g}",
+        f"seed does not reach ({_sites(sites)}); "
+        + ", ".join(f"{c.strategy} differs by {c.rel_norm_err:.3g}" for c in cs),
         {
-            "strategy": c.strategy,
-            "rel_norm_err": c.rel_norm_err,
+            "strategies": [c.strategy for c in cs],
+            "rel_norm_err": max(c.rel_norm_err for c in cs),
             "reference_spread_same_rng": spread,
             "modules": [s.to_json() for s in sites],
         },
@@ -62,18 +63,20 @@ def unseeded_finding(sites: tuple[Site, ...], c: Comparison, spread: float) -> F
     )
 
 
-def state_finding(sites: tuple[Site, ...], c: Comparison) -> Finding:
+def state_finding(sites: tuple[Site, ...], cs: list[Comparison]) -> Finding:
     """The forward writes parameters (a data-dependent init, an update in forward): every
     replica writes its own from its sub-batch."""
     return Finding(
         "state-in-forward",
         "error",
-        f"{c.strategy} ({c.mode}) differs from single by {c.rel_norm_err:.3g}: the forward writes parameters "
+        ", ".join(f"{c.strategy} ({c.mode})" for c in cs)
+        + f" differ from single by up to {max(c.rel_norm_err for c in cs):.3g}: the forward writes "
+        f"parameters "
         f"({_sites(sites)}), so each replica sets them from its own sub-batch",
         {
-            "strategy": c.strategy,
-            "mode": c.mode,
-            "rel_norm_err": c.rel_norm_err,
+            "strategies": [c.strategy for c in cs],
+            "mode": cs[0].mode,
+            "rel_norm_err": max(c.rel_norm_err for c in cs),
             "modules": [s.to_json() for s in sites],
         },
         cause="per-replica state: a data-dependent initialisation in forward (ActNorm) or a parameter "

@@ -121,11 +121,13 @@ def reference_spread(
             for op in r.nondeterministic
         )
     )
-    remaining = []
+    remaining: list[Comparison] = []
+    unseeded: list[Comparison] = []
+    stateful: list[Comparison] = []
     for c in left:
         if explain.within_spread(c, spreads.get("same seed", 0.0)):
             if remaining_sites and not ops:  # draws the seed does not reach
-                check.findings.append(bugs.unseeded_finding(tuple(remaining_sites), c, spreads["same seed"]))
+                unseeded.append(c)
             else:
                 check.findings.append(explain.nondeterministic_finding(ops, c, spreads["same seed"]))
         elif (
@@ -137,7 +139,7 @@ def reference_spread(
                 explain.random_in_forward_finding(remaining_sites, c, spreads["another RNG state"])
             )
         elif check.sites.state_writes:
-            check.findings.append(bugs.state_finding(check.sites.state_writes, c))
+            stateful.append(c)
             remaining.append(c)
         else:
             check.findings.append(
@@ -146,6 +148,10 @@ def reference_spread(
                 )
             )
             remaining.append(c)
+    if unseeded:
+        check.findings.append(bugs.unseeded_finding(tuple(remaining_sites), unseeded, spreads["same seed"]))
+    if stateful:
+        check.findings.append(bugs.state_finding(check.sites.state_writes, stateful))
     return remaining
 
 

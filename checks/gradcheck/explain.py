@@ -179,17 +179,30 @@ def nonfinite(outcome: Outcome, order: tuple[str, ...]) -> list[Finding]:
     return out
 
 
-def unused_finding(unused: list[str]) -> Finding:
+def unused_finding(unused: list[str], drawn: tuple[Site, ...] = ()) -> Finding:
+    """Parameters single's run left without a gradient; ``drawn``: the random draws that
+    decided it (they get a gradient in controlled mode: LayerDrop, stochastic depth)."""
     shown = ", ".join(unused[:3]) + ("…" if len(unused) > 3 else "")
+    what = (
+        f"{len(unused)} parameter(s) got no gradient in this run because a random draw skipped them "
+        f"({sites_text(drawn)}; with draws at their expected value they get one): a draw, not a fixed "
+        f"unused parameter ({shown})"
+        if drawn
+        else f"{len(unused)} parameter(s) get no gradient ({shown})"
+    )
     return Finding(
         "unused-parameters",
         "warning",
-        f"{len(unused)} parameter(s) get no gradient ({shown}): DDP without find_unused_parameters=True "
-        "leaves their bucket un-reduced in the first step and fails on the next; compared with "
-        "find_unused_parameters=True",
-        {"params": unused},
-        cause="parameters that do not contribute to the loss (an unused branch or head)",
-        fix="pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
+        f"{what}: DDP without find_unused_parameters=True leaves their bucket un-reduced in the first step "
+        "and fails on the next; compared with find_unused_parameters=True",
+        {"params": unused, "drawn": [s.to_json() for s in drawn]},
+        cause="a random structural draw (LayerDrop, stochastic depth) that skips layers"
+        if drawn
+        else "parameters that do not contribute to the loss (an unused branch or head)",
+        fix="pass find_unused_parameters=True to DistributedDataParallel (static_graph=True cannot "
+        "follow a draw)"
+        if drawn
+        else "pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
         "or remove the unused parameters",
     )
 
@@ -285,11 +298,18 @@ def train_mode_findings(
     as-is comparisons) within tolerance (``after``)."""
     worst_before = max(before, key=lambda c: c.rel_norm_err)
     worst_after = max(after, key=lambda c: c.rel_norm_err, default=None)
+    share = share_removed(worst_before, worst_after) if worst_after is not None else 1.0
+    rest = (
+        f"; it removes {share:.0%} of the difference, the rest has another cause (below)"
+        if worst_after is not None and not worst_after.ok
+        else ""
+    )
     numbers = (
         f"relative norm error {worst_before.rel_norm_err:.3g} as-is, "
         f"{worst_after.rel_norm_err if worst_after else 0.0:.3g} in controlled mode"
     )
     evidence = {
+        "share": share,
         "strategies": [c.strategy for c in before],
         "rel_norm_err": worst_before.rel_norm_err,
         "rel_norm_err_controlled": worst_after.rel_norm_err if worst_after else 0.0,
@@ -302,7 +322,7 @@ def train_mode_findings(
                 "batchnorm-per-replica",
                 "warning",
                 f"BatchNorm normalises each replica's sub-batch with its own statistics "
-                f"({sites_text(sites.batch_statistics)}): {numbers} (BatchNorm on running statistics)",
+                f"({sites_text(sites.batch_statistics)}): {numbers} (BatchNorm on running statistics){rest}",
                 {**evidence, "modules": [s.to_json() for s in sites.batch_statistics]},
                 cause="per-device batch statistics (expected with DP and with DDP without SyncBatchNorm)",
                 fix="for agreement, use SyncBatchNorm under DDP (torch.nn.SyncBatchNorm."
@@ -315,7 +335,7 @@ def train_mode_findings(
                 "dropout-active",
                 "warning",
                 f"random draws of train mode ({sites_text(sites.random)}) differ under each strategy: "
-                f"{numbers} (random draws at their expected value, the RNG re-seeded at every forward)",
+                f"{numbers} (random draws at their expected value, the RNG re-seeded at every forward){rest}",
                 {**evidence, "modules": [s.to_json() for s in sites.random]},
                 cause="dropout masks, dropped paths and noise depend on how the batch is split and on "
                 "which RNG each device draws from",
@@ -324,6 +344,19 @@ def train_mode_findings(
             )
         )
     return out
+
+
+#: A train-mode cause that removes at least this share of a difference is named, with
+#: its share, even when something else is left.
+SHARE_NAMED = 0.5
+
+
+def share_removed(before: Comparison, after: Comparison) -> float:
+    """The share of ``before``'s difference that ``after`` (the same strategy, with a
+    cause taken away) no longer has: 1 - after/before, at least 0."""
+    if not before.rel_norm_err > 0 or not math.isfinite(after.rel_norm_err):
+        return 0.0
+    return max(0.0, 1.0 - after.rel_norm_err / before.rel_norm_err)
 
 
 def possible_causes(sites: TrainModeSites, c: Comparison, replicas: int) -> list[str]:
@@ -350,7 +383,7 @@ def loss_scale_applies(c: Comparison, world: int) -> str | None:
 def loss_scale_finding(c: Comparison, world: int, factor: str, rescaled_err: float, loss: Any) -> Finding:
     return Finding(
         "loss-scale-world-size",
-        "warning",
+        "error",  # the training code's loss is normalised per device: a bug, the run fails
         f"DDP's gradient is {c.norm_ratio:.4g}x single's ({factor}, W={world}) with cosine {c.cosine:.6f}: "
         f"the loss scale depends on the world size (multiplied by {'W' if factor == '1/W' else '1/W'} it "
         f"differs from single by {rescaled_err:.3g})",
@@ -465,16 +498,24 @@ def mismatch_finding(
             "run `gpudiag nancheck` / `gpudiag peer` on the same GPUs; rerun with NCCL_P2P_DISABLE=1 to "
             "see whether the difference goes away"
         )
+    update_failed = c.update_rel_err is not None and c.rel_norm_err <= tol
+    figure = (
+        f"{c.strategy} ({c.mode}): the parameter update after the last step differs from single's by "
+        f"{c.update_rel_err:.3g} (relative norm error, allowed {10 * tol:.3g}; the first step's gradient "
+        f"agrees to {c.rel_norm_err:.3g})"
+        if update_failed
+        else f"{c.strategy} ({c.mode}) differs from single by {c.rel_norm_err:.3g} (relative norm error, "
+        f"tolerance {tol:.3g}; cosine {c.cosine:.6f}, norm ratio {c.norm_ratio:.4g})"
+    )
     return Finding(
         "mismatch-unexplained",
         "error",
-        f"{c.strategy} ({c.mode}) differs from single by {c.rel_norm_err:.3g} (relative norm error, "
-        f"tolerance {tol:.3g}; cosine {c.cosine:.6f}, norm ratio {c.norm_ratio:.4g}){measured} and no known "
-        f"cause accounts for it{maybe}",
+        f"{figure}{measured} and no known cause accounts for it{maybe}",
         {
             "strategy": c.strategy,
             "mode": c.mode,
             "rel_norm_err": c.rel_norm_err,
+            "update_rel_err": c.update_rel_err,
             "cosine": c.cosine,
             "norm_ratio": c.norm_ratio,
             "first_bad_param": c.first_bad_param,

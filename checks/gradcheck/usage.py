@@ -45,16 +45,20 @@ def unused_by_shard(
     world: int,
     loss: Any,
     select: Callable[[Any], Any] | None,
+    seed: int = 0,
 ) -> dict[int, list[str]]:
     """Per rank (of ``world`` contiguous ``torch.chunk`` shards), the trainable parameters
     (module order) that the loss on that rank's shard does not depend on; ranks that use
     every parameter are left out. A shard whose forward or loss raises is left out too
-    (the runs report it). ``model`` is run as it is (the caller's copy, in train mode)."""
+    (the runs report it). ``model`` is run as it is (the caller's copy, in train mode),
+    each shard from ``torch.manual_seed(seed)``, as every rank starts: a draw that skips a
+    layer (LayerDrop) skips it on every rank alike, as in DDP training seeded per run."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     out: dict[int, list[str]] = {}
     pieces = split(inputs, world)
     with torch.enable_grad():
         for rank, (x, y) in enumerate(zip(pieces, targets.chunk(world), strict=False)):
+            torch.manual_seed(seed)
             try:
                 output = call_model(model, x)
                 value = loss_fn(loss, output if select is None else select(output), y)

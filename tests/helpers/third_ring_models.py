@@ -74,3 +74,92 @@ class PerDeviceBatchNorm(nn.Module):
 
 def per_device_batch() -> nn.Module:
     return PerDeviceBatchNorm()
+
+
+class BatchNormSampler(nn.Module):
+    """BatchNorm in train mode, then a sampler (as detection heads sample proposals over
+    the whole batch) that draws ``randperm`` over the batch rows and halves a quarter of
+    them: BatchNorm makes most of the difference between strategies, the draw the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten())
+        self.head = nn.Linear(8 * 16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.body(x))
+        n = logits.shape[0]
+        weight = torch.ones(n)
+        weight[torch.randperm(n)[: max(1, n // 4)]] = 0.97
+        return logits * weight[:, None]
+
+
+def batchnorm_sampler() -> nn.Module:
+    return BatchNormSampler()
+
+
+class LayerDropNet(nn.Module):
+    """LayerDrop (wav2vec2, BART): each layer is skipped in train mode when a draw falls
+    below ``p``: which parameters get a gradient is a draw, not a fixed property."""
+
+    def __init__(self, p: float = 0.3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(FEATURES, FEATURES) for _ in range(4))
+        self.head = nn.Linear(FEATURES, 4)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:
+                continue
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+def layerdrop() -> nn.Module:
+    return LayerDropNet()
+
+
+class UnseededTokenDrop(nn.Module):
+    """A user's bug: a token drop that draws its ``randperm`` from a generator seeded from
+    the clock, which no seed reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(1)
+        g = torch.Generator()
+        g.seed()
+        keep = torch.ones(tokens.shape[1])
+        keep[torch.randperm(tokens.shape[1], generator=g)[: tokens.shape[1] // 4]] = 0.0
+        return self.net(tokens * keep)
+
+
+def unseeded_token_drop() -> nn.Module:
+    return UnseededTokenDrop()
+
+
+class ActNorm(nn.Module):
+    """A data-dependent init in forward (Glow's ActNorm): the first forward sets the
+    parameters from the batch it sees — per replica under DataParallel and DDP."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(features))
+        self.scale = nn.Parameter(torch.ones(features))
+        self.register_buffer("initialised", torch.tensor(False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.initialised):
+            with torch.no_grad():
+                self.bias.copy_(-x.mean(0))
+                self.scale.copy_(1 / (x.std(0) + 1e-6))
+                self.initialised.fill_(True)
+        return (x + self.bias) * self.scale
+
+
+def actnorm() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(FEATURES, 16), ActNorm(16), nn.ReLU(), nn.Linear(16, 4))
