@@ -163,3 +163,41 @@ class ActNorm(nn.Module):
 
 def actnorm() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(FEATURES, 16), ActNorm(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def cancelling_linear() -> nn.Module:
+    """A linear map; with :func:`cancelling_batch` its weight gradient is a sum of terms
+    that nearly cancel, so float32's reduction order shows (~1e-5), and every strategy is
+    as right as single (measured against float64)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(FEATURES, 4))
+
+
+class SlightlyBatchScaled(nn.Module):
+    """A bug of a near-miss size: the output is scaled by 1 + 1e-4 × the batch it sees, so
+    DDP and DataParallel differ from single by ~4e-4 — and from float64 by as much."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = cancelling_linear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * (1 + 1e-4 * x.shape[0])
+
+
+def slightly_batch_scaled() -> nn.Module:
+    return SlightlyBatchScaled()
+
+
+def cancelling_batch(factory: object = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs of nearly equal samples whose ``mse`` targets sit on either side of the
+    model's output (built as gradcheck builds it: ``torch.manual_seed(seed)``): each pair's
+    gradients cancel to ~1e-4 of their size."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4, FEATURES, generator=g)
+    x = torch.stack([base, base + 1e-4 * torch.randn(4, FEATURES, generator=g)], 1).reshape(8, *SHAPE)
+    torch.manual_seed(seed)
+    model = cancelling_linear() if factory is None else factory()  # type: ignore[operator]
+    with torch.no_grad():
+        y = model(x)
+    sign = torch.tensor([1.0, -1.0] * 4)[:, None]
+    return x, y + sign + torch.tensor([0.0, 1e-4] * 4)[:, None]
