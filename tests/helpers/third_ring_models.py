@@ -201,3 +201,30 @@ def cancelling_batch(factory: object = None, seed: int = 0) -> tuple[torch.Tenso
         y = model(x)
     sign = torch.tensor([1.0, -1.0] * 4)[:, None]
     return x, y + sign + torch.tensor([0.0, 1e-4] * 4)[:, None]
+
+
+class LossDict(nn.Module):
+    """Returns its losses as a dict, as torchvision detection models do in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(FEATURES, 8))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(x)
+        return {"loss_classifier": h[:, :4].pow(2).mean(), "loss_box_reg": h[:, 4:].abs().mean()}
+
+
+def loss_dict() -> nn.Module:
+    return LossDict()
+
+
+def own_losses(output: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``--loss``: the model's own loss dict (the targets are not needed)."""
+    return output
+
+
+def loss_per_device(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``--loss``: a user's loss that sums and divides by a constant, not by the batch:
+    under DDP it is W times smaller, a bug gradcheck must fail."""
+    return nn.functional.cross_entropy(output, targets, reduction="sum") / 8

@@ -5,6 +5,7 @@ bugs in the user's code failing the run with their cause named."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch
 import gpudiag
 from gpudiag.checks.gradcheck import GradcheckReport
 from gpudiag.runtime import RankFailure
+from tests.helpers import SEED_MACHINE, invoke, json_of
 from tests.helpers import third_ring_models as zoo
 
 
@@ -114,3 +116,69 @@ def test_a_data_dependent_init_in_forward_fails_as_per_replica_state() -> None:
     assert codes(report) == ["state-in-forward"]
     bug = finding(report, "state-in-forward")
     assert bug.evidence["modules"][0]["class"] == "ActNorm" and "gpudiag" not in bug.fix
+
+
+# -- the command line: the user's loss, nancheck's --inputs -------------------------------
+
+MODELS = str(Path(zoo.__file__))
+DENSE = ["--input-shape", ",".join(map(str, zoo.SHAPE)), "--num-classes", "4"]
+
+
+def test_the_cli_checks_a_model_with_its_own_loss_dict(tmp_path: Path) -> None:
+    result = invoke(
+        [
+            "gradcheck",
+            "--model",
+            f"{MODELS}:loss_dict",
+            *DENSE,
+            "--loss",
+            f"{MODELS}:own_losses",
+            "--format",
+            "json",
+        ]
+    )
+    doc = json_of(result)
+    assert result.exit_code == 0 and doc["verdict"] == "pass", result.output
+    assert doc["config"]["loss"] == f"{MODELS}:own_losses"
+
+
+def test_a_users_loss_that_is_per_device_fails_on_the_cli() -> None:
+    result = invoke(
+        ["gradcheck", "--model", "mlp", *DENSE, "--loss", f"{MODELS}:loss_per_device", "--format", "json"]
+    )
+    doc = json_of(result)
+    assert result.exit_code == 1 and [f["code"] for f in doc["findings"]] == ["loss-scale-world-size"], (
+        result.output
+    )
+
+
+def test_a_loss_file_that_is_not_there_is_exit_2() -> None:
+    result = invoke(["gradcheck", "--model", "mlp", "--loss", "no/such.py:loss"])
+    assert result.exit_code == 2 and "no/such.py does not exist" in result.stderr
+    result = invoke(["gradcheck", "--model", "mlp", "--loss", "hinge"])
+    assert result.exit_code == 2 and "FILE.py:NAME" in result.output + result.stderr
+
+
+def test_nancheck_takes_the_batch_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "batch.pt"
+    torch.save(torch.randn(6, *zoo.SHAPE), path)
+    result = invoke(
+        [
+            "nancheck",
+            "--inputs",
+            str(path),
+            *DENSE,
+            "--machine",
+            str(SEED_MACHINE),
+            "--pairs",
+            "0-1",
+            "--format",
+            "json",
+        ]
+    )
+    doc = json_of(result)
+    assert (
+        result.exit_code == 0
+        and doc["config"]["inputs_file"] == str(path)
+        and doc["config"]["batch_size"] == 6
+    )
