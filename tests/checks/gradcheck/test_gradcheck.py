@@ -166,11 +166,10 @@ def test_mse_loss_and_text_and_markdown() -> None:
     code, doc = gradcheck("--model", "cnn", *SMALL, "--loss", "mse")
     assert code == 0 and doc["verdict"] == "pass"
     text = invoke(["gradcheck", "--model", "cnn-bn", *SMALL]).output
-    assert (
-        "gradcheck EXPLAINED" in text
-        and "batchnorm-per-replica" in text
-        and "Where dp (as-is) differs" in text
-    )
+    head = text.splitlines()[:5]  # the answer first (issue 47): verdict, code, cause cell, fix
+    assert head[0].startswith("gradcheck EXPLAINED") and "batchnorm-per-replica" in head[1]
+    assert "BatchNorm statistics per device" in head[1] and "fix: SyncBatchNorm" in head[1]
+    assert text.count("Where dp, ddp (as-is) differ") == 1 and "Where dp (as-is)" not in text
     md = invoke(["gradcheck", "--model", "mlp", *SMALL, "--format", "markdown"]).output
     assert md.startswith("## gradcheck: **pass**") and "| dp | as-is | ok |" in md
 

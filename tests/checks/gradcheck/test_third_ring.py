@@ -182,3 +182,16 @@ def test_nancheck_takes_the_batch_from_a_file(tmp_path: Path) -> None:
         and doc["config"]["inputs_file"] == str(path)
         and doc["config"]["batch_size"] == 6
     )
+
+
+def test_a_per_device_normalisation_is_the_answer_in_the_first_lines() -> None:
+    """Issue 47: ``out / x.shape[0]`` named in the first five lines as the model's own
+    per-device normalisation, never "report the model to gpudiag"."""
+    result = invoke(["gradcheck", "--model", f"{MODELS}:per_device_batch", *DENSE])
+    head = result.output.splitlines()[:5]
+    assert result.exit_code == 1 and head[0].startswith("gradcheck FAIL"), result.output
+    assert (
+        "batch-size-in-forward" in head[1] and "per-device normalisation in the model (x.shape[0])" in head[1]
+    )
+    assert "(dp, ddp)" in head[1] and "fix: normalise by the global batch" in head[1]
+    assert "gpudiag version" not in result.output and "report the model" not in result.output
