@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gpudiag.checks.gradcheck import causes, confirm, explain
+from gpudiag.checks.gradcheck import causes, confirm, explain, usage
 from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, tolerance
 from gpudiag.checks.gradcheck.factories import Controlled, Prebuilt
 from gpudiag.checks.gradcheck.report import Comparison, GradcheckReport, has_errors, verdict
@@ -35,7 +35,6 @@ from gpudiag.checks.gradcheck.schedule import (
     outcomes,
 )
 from gpudiag.checks.gradcheck.trainmode import TrainModeSites, probe
-from gpudiag.checks.gradcheck.usage import rank_only, unused_by_shard
 from gpudiag.checks.options import GRADCHECK, GradcheckOptions, specs
 from gpudiag.errors import InputError, from_user_code
 from gpudiag.findings import Finding
@@ -156,8 +155,10 @@ def gradcheck(
         with contained(timeout, "the train-mode probe (one forward of the model)"):
             sites = _probe(template, inputs, seed)  # (a copy of its own: probed as it is)
             rank_unused = (
-                rank_only(
-                    unused_by_shard(template, inputs, targets, world, loss, output_selector(base), seed),
+                usage.rank_only(
+                    usage.unused_by_shard(
+                        template, inputs, targets, world, loss, output_selector(base), seed
+                    ),
                     world,
                 )
                 if "ddp" in wanted and world > 1
@@ -180,7 +181,7 @@ def gradcheck(
         check.virtual = devices.kind == "virtual"
         if rank_unused:  # DDP without the flag would stall on the ranks that use them
             check.ddp_options = {"find_unused_parameters": True}
-            check.findings.append(explain.rank_unused_finding(rank_unused, sites))
+            check.findings.append(usage.rank_unused_finding(rank_unused, sites))
         first = "controlled" if mode == "controlled" else "as-is"
         outcome = _first_runs(check, first)
         _explain(check, first, outcome, devices.kind == "virtual")
@@ -258,13 +259,13 @@ def _first_runs(check: _Check, first: str) -> Outcome:
     check.comparisons += check.comparer.all(outcome, first)
     confirm.rejudge(check.schedule, check.factories[first], first, outcome.results, check.comparisons)
     order = tuple(check.comparer.order)
-    findings += explain.nonfinite(outcome, order)
+    findings += explain.nonfinite(outcome, order, check.virtual)
     ref = outcome.results.get("single")
     unused = [n for n in order if n not in ref.grads] if ref is not None else []
     if unused and not any(f.code == "unused-parameters" for f in findings):
         steady = check.runs.get("controlled", outcome).results.get("single")
         drawn = steady is not None and steady is not ref and all(n in steady.grads for n in unused)
-        findings.append(explain.unused_finding(unused, check.sites.random if drawn else ()))
+        findings.append(usage.unused_finding(unused, check.sites.random if drawn else ()))
         retry = not check.ddp_options.get("find_unused_parameters")
         if (
             retry
@@ -291,7 +292,7 @@ def _failures(check: _Check, outcome: Outcome, mode: str) -> list[Finding]:
     out = []
     for strategy, failure in list(outcome.failures.items()):
         if strategy == "ddp" and explain.asks_for_unused(failure):
-            out.append(explain.unused_retry_finding(strategy, failure))
+            out.append(usage.unused_retry_finding(strategy, failure))
             again = _retry_unused(check, outcome, mode)
             if again is None:
                 continue

@@ -109,19 +109,9 @@ def asks_for_unused(failure: RankFailure) -> bool:
     return failure.code == "rank-crashed" and any(s in failure.detail for s in UNUSED_ERROR)
 
 
-def unused_retry_finding(strategy: str, failure: RankFailure) -> Finding:
-    return Finding(
-        "unused-parameters",
-        "warning",
-        "DDP failed because some parameters get no gradient; retried with find_unused_parameters=True",
-        {"strategy": strategy, "error": str(failure)},
-        cause="parameters that do not contribute to the loss (an unused branch or head)",
-        fix="pass find_unused_parameters=True (or static_graph=True) to "
-        "DistributedDataParallel, or make every parameter contribute",
-    )
-
-
-def nonfinite(outcome: Outcome, order: tuple[str, ...]) -> list[Finding]:
+def nonfinite(outcome: Outcome, order: tuple[str, ...], virtual: bool = False) -> list[Finding]:
+    """A finding per strategy whose gradients or loss hold a NaN or an Inf, with where the
+    runtime's record first saw it; on CPU virtual devices (``virtual``) no link is blamed."""
     out = []
     for strategy, result in outcome.results.items():
         bad = first_nonfinite(result.grads, order)
@@ -170,65 +160,19 @@ def nonfinite(outcome: Outcome, order: tuple[str, ...]) -> list[Finding]:
                 "error",
                 f"{strategy}: non-finite values in {what}{where}",
                 evidence,
-                cause="corrupt data on a link (see the transfer), or a model/learning rate that diverges "
+                cause="on CPU virtual devices no link exists: a fault planted with --inject, or a model/"
+                "learning rate that diverges (then single fails too)"
+                if virtual
+                else "corrupt data on a link (see the transfer), or a model/learning rate that diverges "
                 "(then single fails too)",
-                fix="if only parallel strategies fail, run `gpudiag nancheck` and rerun with "
+                fix="if no fault was injected, lower the learning rate or check the model where it first "
+                "went non-finite"
+                if virtual
+                else "if only parallel strategies fail, run `gpudiag nancheck` and rerun with "
                 "NCCL_P2P_DISABLE=1; if single fails too, lower the learning rate or check the model",
             )
         )
     return out
-
-
-def unused_finding(unused: list[str], drawn: tuple[Site, ...] = ()) -> Finding:
-    """Parameters single's run left without a gradient; ``drawn``: the random draws that
-    decided it (they get a gradient in controlled mode: LayerDrop, stochastic depth)."""
-    shown = ", ".join(unused[:3]) + ("…" if len(unused) > 3 else "")
-    what = (
-        f"{len(unused)} parameter(s) got no gradient in this run because a random draw skipped them "
-        f"({sites_text(drawn)}; with draws at their expected value they get one): a draw, not a fixed "
-        f"unused parameter ({shown})"
-        if drawn
-        else f"{len(unused)} parameter(s) get no gradient ({shown})"
-    )
-    return Finding(
-        "unused-parameters",
-        "warning",
-        f"{what}: DDP without find_unused_parameters=True leaves their bucket un-reduced in the first step "
-        "and fails on the next; compared with find_unused_parameters=True",
-        {"params": unused, "drawn": [s.to_json() for s in drawn]},
-        cause="a random structural draw (LayerDrop, stochastic depth) that skips layers"
-        if drawn
-        else "parameters that do not contribute to the loss (an unused branch or head)",
-        fix="pass find_unused_parameters=True to DistributedDataParallel (static_graph=True cannot "
-        "follow a draw)"
-        if drawn
-        else "pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
-        "or remove the unused parameters",
-    )
-
-
-def rank_unused_finding(by_rank: dict[int, list[str]], sites: TrainModeSites) -> Finding:
-    """Parameters some DDP rank's shard leaves without a gradient and another uses (found
-    by :func:`gpudiag.checks.gradcheck.usage.unused_by_shard` before DDP ran)."""
-    names = list(dict.fromkeys(n for names in by_rank.values() for n in names))
-    ranks = "; ".join(
-        f"rank {r}: " + ", ".join(by_rank[r][:2]) + ("…" if len(by_rank[r]) > 2 else "")
-        for r in sorted(by_rank)
-    )
-    drawn = f" (or a random draw decided it: {sites_text(sites.random)})" if sites.random else ""
-    return Finding(
-        "unused-parameters",
-        "warning",
-        f"{len(names)} parameter(s) get a gradient on some DDP ranks' shards and none on others ({ranks}): "
-        "DDP without find_unused_parameters=True waits for them on the ranks that use them and stalls; "
-        "compared with find_unused_parameters=True",
-        {"params": names, "per_rank": {str(r): v for r, v in sorted(by_rank.items())}, "scope": "per rank"},
-        cause="parameters used by some samples only (an MoE expert no token of a shard is routed to, a "
-        f"branch some inputs take){drawn}",
-        fix="pass find_unused_parameters=True to DistributedDataParallel (static_graph=True does not "
-        "help: the set changes with the data), or make every expert contribute on every rank (a zero-"
-        "weighted term)",
-    )
 
 
 def ranks_diverged(outcome: Outcome) -> list[Finding]:

@@ -270,7 +270,7 @@ def input_shape_option(
     )
 
 
-class ChoiceOrFunction(click.Choice):  # type: ignore[type-arg]
+class ChoiceOrFunction(click.Choice):
     """One of the choices, or ``FILE.py:NAME`` (checked when the command resolves it)."""
 
     def get_metavar(self, param: Any, *args: Any) -> str:

@@ -156,10 +156,12 @@ def render(out: Any, report: Any, rehearsal: Any, simulated: str, findings: Any)
             escape(c.first_bad_param or "—"),
         )
     out.print(table)
-    for group, c in _sections(report):
+    for n, (group, c) in enumerate(_sections(report)):
+        if n:
+            out.print()
         names = ", ".join(g.strategy for g in group)
         verb = "differs" if len(group) == 1 else "differ"
-        out.print(f"\n[bold]Where {names} ({c.mode}) {verb}[/bold] — relative error per parameter")
+        out.print(f"[bold]Where {names} ({c.mode}) {verb}[/bold] — relative error per parameter")
         start = next((i for i, p in enumerate(c.params) if p.name == c.first_bad_param), 0)
         shown = c.params[max(0, start - 2) : start + 14]
         width = max(len(p.name) for p in shown)
@@ -174,4 +176,6 @@ def render(out: Any, report: Any, rehearsal: Any, simulated: str, findings: Any)
             out.print(f"  [dim]… {len(c.params) - len(shown)} more parameter(s) in the JSON output[/dim]")
     findings(out, report.findings, "Findings")
     settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report.settings.items())
-    out.print(f"\n[dim]{escape(settings)}[/dim]")
+    if report.findings:
+        out.print()
+    out.print(f"[dim]{escape(settings)}[/dim]")
