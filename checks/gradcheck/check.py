@@ -263,9 +263,11 @@ def _first_runs(check: _Check, first: str) -> Outcome:
     ref = outcome.results.get("single")
     unused = [n for n in order if n not in ref.grads] if ref is not None else []
     if unused and not any(f.code == "unused-parameters" for f in findings):
-        steady = check.runs.get("controlled", outcome).results.get("single")
-        drawn = steady is not None and steady is not ref and all(n in steady.grads for n in unused)
-        findings.append(usage.unused_finding(unused, check.sites.random if drawn else ()))
+        steady = _steady_grads(check) if check.sites.random else {}
+        by_draw = [n for n in unused if n in steady]
+        findings.append(
+            usage.unused_finding(unused, by_draw, usage.structural(check.sites.random) if by_draw else ())
+        )
         retry = not check.ddp_options.get("find_unused_parameters")
         if (
             retry
@@ -286,13 +288,24 @@ def _first_runs(check: _Check, first: str) -> Outcome:
     return outcome
 
 
+def _steady_grads(check: _Check) -> dict[str, Any]:
+    """single's gradients in controlled mode (draws at their expected value): from the
+    controlled runs when they ran, else one single run now."""
+    kept = check.runs.get("controlled")
+    if kept is not None and "single" in kept.results:
+        return kept.results["single"].grads
+    job = Job("controlled single", check.factories["controlled"], "single")
+    result = check.schedule.runs([job])[job.name]
+    return result.grads if isinstance(result, RunResult) else {}
+
+
 def _failures(check: _Check, outcome: Outcome, mode: str) -> list[Finding]:
     """A finding per failed run; a DDP failure that asks for find_unused_parameters is
     retried with it (and becomes a warning if that works)."""
     out = []
     for strategy, failure in list(outcome.failures.items()):
         if strategy == "ddp" and explain.asks_for_unused(failure):
-            out.append(usage.unused_retry_finding(strategy, failure))
+            out.append(explain.unused_retry_finding(strategy, failure))
             again = _retry_unused(check, outcome, mode)
             if again is None:
                 continue

@@ -109,6 +109,18 @@ def asks_for_unused(failure: RankFailure) -> bool:
     return failure.code == "rank-crashed" and any(s in failure.detail for s in UNUSED_ERROR)
 
 
+def unused_retry_finding(strategy: str, failure: RankFailure) -> Finding:
+    return Finding(
+        "unused-parameters",
+        "warning",
+        "DDP failed because some parameters get no gradient; retried with find_unused_parameters=True",
+        {"strategy": strategy, "error": str(failure)},
+        cause="parameters that do not contribute to the loss (an unused branch or head)",
+        fix="pass find_unused_parameters=True (or static_graph=True) to "
+        "DistributedDataParallel, or make every parameter contribute",
+    )
+
+
 def nonfinite(outcome: Outcome, order: tuple[str, ...], virtual: bool = False) -> list[Finding]:
     """A finding per strategy whose gradients or loss hold a NaN or an Inf, with where the
     runtime's record first saw it; on CPU virtual devices (``virtual``) no link is blamed."""

@@ -11,7 +11,7 @@ what DDP's own ``find_unused_parameters`` does after each forward — without a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,6 @@ from torch import nn
 from gpudiag.checks.gradcheck.explain import sites_text
 from gpudiag.checks.gradcheck.trainmode import Site, TrainModeSites
 from gpudiag.findings import Finding
-from gpudiag.runtime import RankFailure
 from gpudiag.runtime.batch import call_model, split
 from gpudiag.runtime.stepping import loss_fn
 
@@ -85,47 +84,55 @@ def rank_only(by_rank: dict[int, list[str]], world: int) -> dict[int, list[str]]
     return {r: names for r, names in kept.items() if names}
 
 
+#: aten ops of dropout of every kind: they zero values, they do not decide which layer runs.
+DROPOUT_OPS = frozenset(
+    {"bernoulli", "bernoulli_", "native_dropout", "dropout", "feature_dropout", "alpha_dropout"}
+)
+
+
+def structural(sites: tuple[Site, ...]) -> tuple[Site, ...]:
+    """Of the random draws, those that can decide which layers run (``rand`` compared with
+    a LayerDrop probability, …): every draw but dropout's; all of them if that is all."""
+    kept = tuple(s for s in sites if s.what not in DROPOUT_OPS)
+    return kept or sites
+
+
 # -- the findings ---------------------------------------------------------------------------
 
 
-def unused_retry_finding(strategy: str, failure: RankFailure) -> Finding:
+def unused_finding(unused: list[str], by_draw: Sequence[str] = (), drawn: tuple[Site, ...] = ()) -> Finding:
+    """Parameters single's run left without a gradient; ``by_draw``: those of them that
+    get one in controlled mode, where ``drawn`` (LayerDrop, stochastic depth) decided it."""
+    fixed = [n for n in unused if n not in by_draw]
+    parts = []
+    if fixed:
+        parts.append(f"{len(fixed)} parameter(s) get no gradient ({_names(fixed)})")
+    if by_draw:
+        parts.append(
+            f"{len(by_draw)} {'more ' if fixed else ''}parameter(s) got none in this run because a random "
+            f"draw skipped them ({sites_text(drawn)}; with draws at their expected value they get one): a "
+            f"draw, not a fixed unused parameter ({_names(by_draw)})"
+        )
+    causes = []
+    if fixed:
+        causes.append("parameters that do not contribute to the loss (an unused branch or head)")
+    if by_draw:
+        causes.append("a random structural draw (LayerDrop, stochastic depth) that skips layers")
     return Finding(
         "unused-parameters",
         "warning",
-        "DDP failed because some parameters get no gradient; retried with find_unused_parameters=True",
-        {"strategy": strategy, "error": str(failure)},
-        cause="parameters that do not contribute to the loss (an unused branch or head)",
-        fix="pass find_unused_parameters=True (or static_graph=True) to "
-        "DistributedDataParallel, or make every parameter contribute",
+        "; ".join(parts) + ": DDP without find_unused_parameters=True leaves their bucket un-reduced in the "
+        "first step and fails on the next; compared with find_unused_parameters=True",
+        {"params": unused, "by_draw": list(by_draw), "drawn": [s.to_json() for s in drawn]},
+        cause="; ".join(causes),
+        fix="pass find_unused_parameters=True to DistributedDataParallel"
+        + (" (static_graph=True cannot follow a draw)" if by_draw else " (or static_graph=True)")
+        + ", or make every parameter contribute",
     )
 
 
-def unused_finding(unused: list[str], drawn: tuple[Site, ...] = ()) -> Finding:
-    """Parameters single's run left without a gradient; ``drawn``: the random draws that
-    decided it (they get a gradient in controlled mode: LayerDrop, stochastic depth)."""
-    shown = ", ".join(unused[:3]) + ("…" if len(unused) > 3 else "")
-    what = (
-        f"{len(unused)} parameter(s) got no gradient in this run because a random draw skipped them "
-        f"({sites_text(drawn)}; with draws at their expected value they get one): a draw, not a fixed "
-        f"unused parameter ({shown})"
-        if drawn
-        else f"{len(unused)} parameter(s) get no gradient ({shown})"
-    )
-    return Finding(
-        "unused-parameters",
-        "warning",
-        f"{what}: DDP without find_unused_parameters=True leaves their bucket un-reduced in the first step "
-        "and fails on the next; compared with find_unused_parameters=True",
-        {"params": unused, "drawn": [s.to_json() for s in drawn]},
-        cause="a random structural draw (LayerDrop, stochastic depth) that skips layers"
-        if drawn
-        else "parameters that do not contribute to the loss (an unused branch or head)",
-        fix="pass find_unused_parameters=True to DistributedDataParallel (static_graph=True cannot "
-        "follow a draw)"
-        if drawn
-        else "pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
-        "or remove the unused parameters",
-    )
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(list(names)[:3]) + ("…" if len(names) > 3 else "")
 
 
 def rank_unused_finding(by_rank: dict[int, list[str]], sites: TrainModeSites) -> Finding:

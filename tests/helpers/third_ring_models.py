@@ -228,3 +228,25 @@ def loss_per_device(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """``--loss``: a user's loss that sums and divides by a constant, not by the batch:
     under DDP it is W times smaller, a bug gradcheck must fail."""
     return nn.functional.cross_entropy(output, targets, reduction="sum") / 8
+
+
+def wav2vec2_layerdrop() -> nn.Module:
+    """A tiny Hugging Face wav2vec2 classifier with LayerDrop 0.5 (and its dropouts): in
+    the probe's forward a draw skips encoder layers."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    config = Wav2Vec2Config(
+        conv_dim=(8, 8),
+        conv_kernel=(10, 3),
+        conv_stride=(5, 2),
+        hidden_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        layerdrop=0.5,
+        num_labels=4,
+        apply_spec_augment=False,
+    )
+    return Wav2Vec2ForSequenceClassification(config)

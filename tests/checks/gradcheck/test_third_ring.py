@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import gpudiag
@@ -195,3 +196,21 @@ def test_a_per_device_normalisation_is_the_answer_in_the_first_lines() -> None:
     )
     assert "(dp, ddp)" in head[1] and "fix: normalise by the global batch" in head[1]
     assert "gpudiag version" not in result.output and "report the model" not in result.output
+
+
+@pytest.mark.slow  # (25-50 s here: a Hugging Face model, two DDP launches)
+def test_wav2vec2s_layerdrop_is_a_draw_beside_its_dropout() -> None:
+    """The third zoo's wav2vec2: "16 parameters get no gradient" and no dropout-active. Now
+    the skipped layers are named as LayerDrop's draw (the encoder's ``rand``, not its
+    dropouts), and dropout-active explains the rest."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 400), torch.randint(0, 4, (8,))
+    report = check(zoo.wav2vec2_layerdrop, x, y)
+    assert report.verdict == "explained", report.summary()
+    assert sorted(codes(report)) == ["dropout-active", "unused-parameters"]
+    unused = finding(report, "unused-parameters")
+    assert unused.evidence["drawn"] == [
+        {"module": "wav2vec2.encoder", "class": "Wav2Vec2Encoder", "what": "rand"}
+    ]
+    assert unused.evidence["by_draw"] and all(".encoder.layers." in p for p in unused.evidence["by_draw"])
+    assert set(unused.evidence["params"]) - set(unused.evidence["by_draw"]) == {"wav2vec2.masked_spec_embed"}
