@@ -214,3 +214,21 @@ def test_wav2vec2s_layerdrop_is_a_draw_beside_its_dropout() -> None:
     ]
     assert unused.evidence["by_draw"] and all(".encoder.layers." in p for p in unused.evidence["by_draw"])
     assert set(unused.evidence["params"]) - set(unused.evidence["by_draw"]) == {"wav2vec2.masked_spec_embed"}
+
+
+def test_a_failed_update_is_quoted_by_its_own_figure() -> None:
+    """The third zoo's ``--steps 3`` run: the update failed (0.97) and the headline quoted
+    the first step's in-tolerance gradient (2.5e-7)."""
+    from gpudiag.checks.gradcheck.explain import mismatch_finding
+    from gpudiag.checks.gradcheck.report import Comparison
+
+    c = Comparison("ddp", 2, "as-is", False, 2.5e-7, 1.0, 1.0, 1e-8, 1e-7, "w", None, update_rel_err=0.97)
+    f = mismatch_finding(c, 1.3e-5, True, [], {})
+    assert f.message.startswith(
+        "ddp (as-is): the parameter update after the last step differs from single's by 0.97"
+    )
+    assert f.evidence["update_rel_err"] == 0.97
+    c.update_rel_err = None
+    assert mismatch_finding(c, 1.3e-5, True, [], {}).message.startswith(
+        "ddp (as-is) differs from single by 2.5e-07"
+    )
