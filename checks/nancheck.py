@@ -244,13 +244,14 @@ def nancheck_spec(
     machine: Topology | None = None,
     input_dtype: str = "float",
     input_range: tuple[float, float] | None = None,
+    inputs_file: str | None = None,
     **options: Any,
 ) -> NancheckReport:
     """``gpudiag nancheck``: resolve the model and machine (a machine file or capture, or
-    an already loaded ``machine``), make the batch (see :func:`gpudiag.models.random_inputs`),
-    sweep."""
+    an already loaded ``machine``), make the batch (see :func:`gpudiag.models.random_inputs`)
+    or read it from ``inputs_file`` (targets generated, as gradcheck does), sweep."""
     from gpudiag.hw.sources import read_machine_or_capture
-    from gpudiag.models import random_batch, resolve_model
+    from gpudiag.models import load_inputs, random_batch, random_targets, resolve_model
 
     if machine_file:
         machine = read_machine_or_capture(machine_file)
@@ -258,13 +259,20 @@ def nancheck_spec(
         factory = resolve_model(model, input_shape, num_classes)
         seed = options.get("seed", 0)
         loss = options.get("loss", NANCHECK.loss)
-        inputs, targets = random_batch(
-            factory, batch_size, input_shape, num_classes, loss, seed, None, input_dtype, input_range
-        )
+        if inputs_file is None:
+            inputs, targets = random_batch(
+                factory, batch_size, input_shape, num_classes, loss, seed, None, input_dtype, input_range
+            )
+        else:
+            inputs = load_inputs(inputs_file)
+            generator = torch.Generator().manual_seed(seed)
+            targets = random_targets(factory, inputs, num_classes, loss, generator, seed, None)
         report = nancheck(factory, inputs, targets, machine=machine, **options)
     report.config.update(
         {"model": model, "input_shape": list(input_shape), "batch_size": batch_size, "machine": machine_file}
     )
     if input_dtype != "float" or input_range is not None:
         report.config.update(input_dtype=input_dtype, input_range=input_range and list(input_range))
+    if inputs_file is not None:
+        report.config.update(inputs_file=inputs_file, batch_size=len(targets))
     return report

@@ -35,6 +35,9 @@ class Spec:
     recorded: bool = True
     #: the command-line flag where it is not ``--NAME`` (``--dtype`` for bench's ``dtypes``)
     flag: str | None = None
+    #: besides ``choices``, a function ``FILE.py:NAME`` (gradcheck's ``--loss``); a bundle
+    #: still takes the choices only (replay runs no file a bundle names)
+    or_function: bool = False
 
 
 def option(default: Any, **spec: Any) -> Any:
@@ -62,7 +65,13 @@ class GradcheckOptions:
     lr: float = option(D.LR, help="Learning rate.")
     optimizer: str = option("sgd", choices=D.OPTIMIZERS, help="none: gradients only, no optimizer step.")
     dtype: str = option("fp32", choices=D.DTYPES, help="The precision the strategies compute in (autocast).")
-    loss: str = option("ce", choices=D.LOSSES, help="The loss (ce for class labels, mse for regression).")
+    loss: str = option(
+        "ce",
+        choices=D.LOSSES,
+        or_function=True,
+        help="The loss: ce for class labels, mse for regression (-sum: summed), or FILE.py:NAME, your "
+        "loss(output, targets) on the model's whole output (a dict of losses is summed).",
+    )
     mode: str = option(
         "auto",
         choices=MODES,

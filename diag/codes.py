@@ -87,7 +87,7 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
         "the forward draws random numbers controlled mode cannot take",
     ),
     ("nondeterministic-op", "warning", "gradients", "the reference itself is not reproducible"),
-    ("loss-scale-world-size", "warning", "gradients", "DDP's gradient is W or 1/W times single's"),
+    ("loss-scale-world-size", "error", "gradients", "DDP's gradient is W or 1/W times single's"),
     ("uneven-shards", "warning", "gradients", "the batch does not split evenly over the devices"),
     ("unused-parameters", "warning", "gradients", "some parameters get no gradient"),
     ("nonfinite-gradient", "error", "gradients", "NaN or Inf in a strategy's gradient or loss"),
@@ -105,6 +105,10 @@ _ROWS: tuple[tuple[str, Severity, str, str], ...] = (
         "gradients",
         "a strategy differs beyond tolerance and no cause was confirmed",
     ),
+    # gradcheck: bugs in the user's code (issue 46)
+    ("batch-size-in-forward", "error", "gradients", "the model's forward depends on the per-device batch"),
+    ("unseeded-random", "error", "gradients", "the forward draws random numbers the seed does not reach"),
+    ("state-in-forward", "error", "gradients", "the forward writes parameters: per-replica state"),
     # nancheck
     ("link-corruption", "error", "nancheck", "training breaks only on particular GPU pairs"),
     ("device-fault", "error", "nancheck", "every pair containing one GPU fails"),

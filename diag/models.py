@@ -128,6 +128,22 @@ def _load_file(path: str) -> Any:
     return module
 
 
+def load_function(spec: str, flag: str) -> Any:
+    """The callable ``NAME`` of a Python file ``FILE.py:NAME`` (``flag`` names the option in
+    errors: exit 2 for a missing file or name). Loaded as ``--model`` files are, so DDP
+    ranks receive it by value."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target.endswith(".py") or not attr.isidentifier():
+        raise InputError(f"bad {flag} {spec!r}: expected FILE.py:NAME")
+    path = Path(target)
+    if not path.is_file():
+        raise InputError(f"{flag} {spec!r}: file {target} does not exist")
+    found = getattr(_load_file(str(path.resolve())), attr, None)
+    if not callable(found):
+        raise InputError(f"{flag} {spec!r}: {target} has no callable {attr!r}")
+    return found
+
+
 def resolve_model(
     spec: str, input_shape: tuple[int, ...] = INPUT_SHAPE, num_classes: int = NUM_CLASSES
 ) -> ModelFactory:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from gpudiag.checks.gradcheck import explain
-from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, compare, mean_of, scaled, tolerance
-from gpudiag.checks.gradcheck.factories import OTHER_RNG_OFFSET, Controlled, OtherRng, Prebuilt
+from gpudiag.checks.gradcheck import causes, confirm, explain, usage
+from gpudiag.checks.gradcheck.compare import TOLERANCE_BASIS, Comparer, tolerance
+from gpudiag.checks.gradcheck.factories import Controlled, Prebuilt
 from gpudiag.checks.gradcheck.report import Comparison, GradcheckReport, has_errors, verdict
 from gpudiag.checks.gradcheck.schedule import (
     Job,
@@ -45,6 +45,7 @@ from gpudiag.runtime.deadline import contained
 from gpudiag.runtime.faults import check_fires
 from gpudiag.runtime.numerics import Numerics
 from gpudiag.runtime.record import Recorder
+from gpudiag.runtime.stepping import output_selector
 
 
 @dataclass
@@ -66,6 +67,10 @@ class _Check:
     comparisons: list[Comparison] = field(default_factory=list)
     recorders: dict[str, Recorder] = field(default_factory=dict)
     runs: dict[str, Outcome] = field(default_factory=dict)
+    #: options every DDP run takes from the start (find_unused_parameters, from the probe)
+    ddp_options: dict[str, Any] = field(default_factory=dict)
+    #: CPU virtual devices: no link, no NCCL (a hung rank is never put on them)
+    virtual: bool = False
 
     def mode_runs(self, mode: str, **options: Any) -> Outcome:
         """Every strategy of ``mode`` (run now unless already run with these options)."""
@@ -149,6 +154,16 @@ def gradcheck(
         order = tuple(n for n, p in template.named_parameters() if p.requires_grad)
         with contained(timeout, "the train-mode probe (one forward of the model)"):
             sites = _probe(template, inputs, seed)  # (a copy of its own: probed as it is)
+            rank_unused = (
+                usage.rank_only(
+                    usage.unused_by_shard(
+                        template, inputs, targets, world, loss, output_selector(base), seed
+                    ),
+                    world,
+                )
+                if "ddp" in wanted and world > 1
+                else {}
+            )
         del template
         check = _Check(
             Schedule(inputs, targets, base),
@@ -163,6 +178,10 @@ def gradcheck(
             {"as-is": prebuilt, "controlled": Controlled(prebuilt, seed)},
             {"dp": len(split(inputs, world)), "ddp": world},
         )
+        check.virtual = devices.kind == "virtual"
+        if rank_unused:  # DDP without the flag would stall on the ranks that use them
+            check.ddp_options = {"find_unused_parameters": True}
+            check.findings.append(usage.rank_unused_finding(rank_unused, sites))
         first = "controlled" if mode == "controlled" else "as-is"
         outcome = _first_runs(check, first)
         _explain(check, first, outcome, devices.kind == "virtual")
@@ -219,13 +238,16 @@ def _first_runs(check: _Check, first: str) -> Outcome:
         # Train-mode behaviour: the as-is runs will almost surely differ and need the
         # controlled ones, so they run together (one DDP launch).
         modes.append("controlled")
-    jobs = [job for m in modes for job in mode_jobs(m, check.factories[m], check.wanted)]
+    jobs = [job for m in modes for job in mode_jobs(m, check.factories[m], check.wanted, **check.ddp_options)]
 
     def compare_local(local: dict[str, RunResult]) -> None:  # while the DDP ranks work
         for name, ran in outcomes(dict(local), modes).items():
             check.comparer.all(ran, name)
 
     check.runs = outcomes(check.schedule.runs(jobs, between=compare_local), modes)
+    for ran in check.runs.values():
+        if check.ddp_options and "ddp" in ran.results:
+            ran.options["ddp"] = dict(check.ddp_options)
     if "controlled" in check.runs and first != "controlled" and check.runs[first].failures:
         del check.runs["controlled"]  # its DDP run shared the failed launch: run again if needed
     outcome = check.runs[first]
@@ -235,23 +257,46 @@ def _first_runs(check: _Check, first: str) -> Outcome:
     findings += _failures(check, outcome, first)
     check.recorders.update(_recorders(outcome, first))
     check.comparisons += check.comparer.all(outcome, first)
+    confirm.rejudge(check.schedule, check.factories[first], first, outcome.results, check.comparisons)
     order = tuple(check.comparer.order)
-    findings += explain.nonfinite(outcome, order)
+    findings += explain.nonfinite(outcome, order, check.virtual)
     ref = outcome.results.get("single")
     unused = [n for n in order if n not in ref.grads] if ref is not None else []
     if unused and not any(f.code == "unused-parameters" for f in findings):
-        findings.append(explain.unused_finding(unused))
-        if any(c.strategy == "ddp" and not c.ok for c in check.comparisons) and not has_errors(findings):
+        steady = _steady_grads(check) if check.sites.random else {}
+        by_draw = [n for n in unused if n in steady]
+        findings.append(
+            usage.unused_finding(unused, by_draw, usage.structural(check.sites.random) if by_draw else ())
+        )
+        retry = not check.ddp_options.get("find_unused_parameters")
+        if (
+            retry
+            and any(c.strategy == "ddp" and not c.ok for c in check.comparisons)
+            and not has_errors(findings)
+        ):
             # DDP waits for gradients that never come: the bucket holding an unused
             # parameter is not all-reduced in the first step. Compare with the flag on.
             failure = _retry_unused(check, outcome, first)
             if failure is not None:  # DDP could not find the unused parameters either
                 outcome.failures.pop("ddp", None)
-                findings.append(explain.failure_finding("ddp", f"{first}, find_unused_parameters", failure))
+                findings.append(
+                    explain.failure_finding("ddp", f"{first}, find_unused_parameters", failure, check.virtual)
+                )
             else:
                 check.comparisons += [c for c in check.comparer.all(outcome, first) if c.strategy == "ddp"]
     findings += explain.ranks_diverged(outcome)
     return outcome
+
+
+def _steady_grads(check: _Check) -> dict[str, Any]:
+    """single's gradients in controlled mode (draws at their expected value): from the
+    controlled runs when they ran, else one single run now."""
+    kept = check.runs.get("controlled")
+    if kept is not None and "single" in kept.results:
+        return kept.results["single"].grads
+    job = Job("controlled single", check.factories["controlled"], "single")
+    result = check.schedule.runs([job])[job.name]
+    return result.grads if isinstance(result, RunResult) else {}
 
 
 def _failures(check: _Check, outcome: Outcome, mode: str) -> list[Finding]:
@@ -265,7 +310,7 @@ def _failures(check: _Check, outcome: Outcome, mode: str) -> list[Finding]:
             if again is None:
                 continue
             failure = again
-        out.append(explain.failure_finding(strategy, mode, failure))
+        out.append(explain.failure_finding(strategy, mode, failure, check.virtual))
     return out
 
 
@@ -295,6 +340,8 @@ def _strategies_in_error(findings: list[Finding]) -> tuple[set[str], bool]:
             failed.add("ddp")
         elif isinstance(f.evidence.get("strategy"), str):
             failed.add(f.evidence["strategy"])
+        elif isinstance(f.evidence.get("strategies"), list):
+            failed.update(f.evidence["strategies"])
         else:
             stop = True
     return failed, stop
@@ -338,9 +385,13 @@ def _explain(check: _Check, first: str, outcome: Outcome, virtual: bool) -> None
             controlled = check.mode_runs("controlled", **outcome.options.get("ddp", {}))
             check.recorders.update(_recorders(controlled, "controlled"))
             check.findings += [
-                explain.failure_finding(s, "controlled", f) for s, f in controlled.failures.items()
+                explain.failure_finding(s, "controlled", f, check.virtual)
+                for s, f in controlled.failures.items()
             ]
             again = check.comparer.all(controlled, "controlled")
+            confirm.rejudge(
+                check.schedule, check.factories["controlled"], "controlled", controlled.results, again
+            )
             check.comparisons += again
             if controlled.failures:  # the strategies that ran are still explained
                 applicable = [c for c in applicable if c.strategy not in controlled.failures]
@@ -348,140 +399,30 @@ def _explain(check: _Check, first: str, outcome: Outcome, virtual: bool) -> None
                     return
             by_strategy = {c.strategy: c for c in again}
             confirmed = [c for c in applicable if by_strategy.get(c.strategy) and by_strategy[c.strategy].ok]
-            if confirmed:
-                check.findings += explain.train_mode_findings(check.sites, confirmed, again, check.replicas)
+            # A cause that removes most of a difference is named too, with its share; what
+            # it leaves is judged below on the controlled runs (Faster R-CNN: BatchNorm
+            # 0.80 → 0.041, the samplers' randperm the rest).
+            partial = [
+                c
+                for c in applicable
+                if c not in confirmed
+                and by_strategy.get(c.strategy)
+                and explain.share_removed(c, by_strategy[c.strategy]) >= explain.SHARE_NAMED
+            ]
+            if confirmed or partial:
+                after = [by_strategy[c.strategy] for c in [*confirmed, *partial]]
+                check.findings += explain.train_mode_findings(
+                    check.sites, [*confirmed, *partial], after, check.replicas
+                )
             # What controlled mode did not take away is judged on its own runs.
             left = [by_strategy[c.strategy] for c in left if c not in confirmed and c.strategy in by_strategy]
             left += [c for c in again if not c.ok and c not in left and math.isfinite(c.rel_norm_err)]
             outcome, mode_now = controlled, "controlled"
-    left = _scale_and_shards(check, outcome, mode_now, left)
+    left = causes.scale_and_shards(check, outcome, mode_now, left)
     if left:
-        left = _reference_spread(check, outcome, mode_now, left, possible, virtual)
-
-
-def _scale_and_shards(check: _Check, outcome: Outcome, mode: str, left: list[Comparison]) -> list[Comparison]:
-    """The world-size loss scale (DDP's gradient rescaled agrees) and uneven shards (DDP
-    agrees with the mean of per-shard gradients, computed on one device)."""
-    ref, ddp = outcome.results.get("single"), outcome.results.get("ddp")
-    targets, world = check.schedule.targets, check.world
-    remaining = []
-    shard_results: dict[str, RunResult | RankFailure] | None = None
-    for c in left:
-        factor = explain.loss_scale_applies(c, world)
-        if factor and ref is not None and ddp is not None:
-            value = 1 / world if factor == "1/W" else world
-            rescaled = scaled(ddp, 1 / value)
-            err = compare("ddp", mode, world, rescaled, ref, check.tol, check.comparer.order).rel_norm_err
-            if err <= check.tol:
-                check.findings.append(explain.loss_scale_finding(c, world, factor, err, check.loss))
-                continue
-        if c.strategy == "ddp" and len(targets) % world and ref is not None and ddp is not None:
-            if shard_results is None:
-                shard_results = check.schedule.runs(_shard_jobs(check, mode))
-            shards = [r for r in shard_results.values() if isinstance(r, RunResult)]
-            err = (
-                compare(
-                    "ddp", mode, world, ddp, mean_of(shards), check.tol, check.comparer.order
-                ).rel_norm_err
-                if len(shards) == world
-                else math.inf
-            )
-            if err <= check.tol:
-                check.findings.append(explain.uneven_shards_finding(c, targets, world, err))
-                continue
-        remaining.append(c)
-    return remaining
-
-
-def _shard_jobs(check: _Check, mode: str) -> list[Job]:
-    devices = check.schedule.base.devices
-    one = DeviceSet.virtual(1) if devices.kind == "virtual" else devices
-    xs, ys = split(check.schedule.inputs, check.world), check.schedule.targets.chunk(check.world)
-    return [
-        Job(f"shard {i}", check.factories[mode], "single", (("steps", 1), ("devices", one)), x, y)
-        for i, (x, y) in enumerate(zip(xs, ys, strict=True))
-    ]
-
-
-def _reference_spread(
-    check: _Check,
-    outcome: Outcome,
-    mode: str,
-    left: list[Comparison],
-    possible: dict[str, list[str]],
-    virtual: bool,
-) -> list[Comparison]:
-    """Is the reference reproducible? single again from the same RNG state (a difference:
-    non-deterministic kernels) and, where the forward still draws random numbers, from
-    another (a difference: those draws). A strategy within that spread is explained."""
-    ref = outcome.results.get("single")
-    if ref is None:
-        return left
-    factory = check.factories[mode]
-    left_in_controlled = _probe_controlled(check) if mode == "controlled" and check.sites else None
-    remaining_sites = (
-        check.sites.random if mode == "as-is" else left_in_controlled.random if left_in_controlled else ()
-    )
-    if left_in_controlled is not None and left_in_controlled.batch_statistics:
-        # BatchNorm without running statistics: controlled mode cannot replace its batch
-        # statistics, so it stays a possible cause.
-        for c in left:
-            if explain.batchnorm_applies(left_in_controlled, check.replicas.get(c.strategy, 1)):
-                possible.setdefault(c.strategy, []).append(
-                    "BatchNorm without running statistics, so batch statistics even in controlled mode "
-                    f"({explain.sites_text(left_in_controlled.batch_statistics)})"
-                )
-    jobs = [Job("single again", factory, "single")]
-    if remaining_sites and mode != "as-is":
-        other = (
-            Controlled(check.factories["as-is"], check.seed + OTHER_RNG_OFFSET)
-            if mode == "controlled"
-            else OtherRng(factory, check.seed)
-        )
-        jobs.append(Job("single other rng", other, "single"))
-    results = check.schedule.runs(jobs)
-    spreads: dict[str, float] = {}
-    for name, key in (("single again", "same seed"), ("single other rng", "another RNG state")):
-        result = results.get(name)
-        if isinstance(result, RunResult):
-            spreads[key] = compare(
-                "single", mode, check.world, result, ref, check.tol, check.comparer.order
-            ).rel_norm_err
-    ops = list(
-        dict.fromkeys(
-            op
-            for r in [*outcome.results.values(), *results.values()]
-            if isinstance(r, RunResult)
-            for op in r.nondeterministic
-        )
-    )
-    remaining = []
-    for c in left:
-        if explain.within_spread(c, spreads.get("same seed", 0.0)):
-            check.findings.append(explain.nondeterministic_finding(ops, c, spreads["same seed"]))
-        elif (
-            mode != "as-is"
-            and remaining_sites
-            and explain.within_spread(c, spreads.get("another RNG state", 0.0))
-        ):
-            check.findings.append(
-                explain.random_in_forward_finding(remaining_sites, c, spreads["another RNG state"])
-            )
-        else:
-            check.findings.append(
-                explain.mismatch_finding(
-                    c, check.tol, virtual, possible.get(c.strategy, []), spreads, check.mode
-                )
-            )
-            remaining.append(c)
-    return remaining
-
-
-def _probe_controlled(check: _Check) -> TrainModeSites:
-    """What train mode still does in controlled form (random draws without an expected
-    value, BatchNorm without running statistics)."""
-    model = check.factories["as-is"]()
-    return probe(model, check.schedule.inputs, controlled=True, seed=check.seed, given=True)
+        left = causes.batch_size_in_forward(check, mode_now, left)
+    if left:
+        left = causes.reference_spread(check, outcome, mode_now, left, possible, virtual)
 
 
 def _recorders(outcome: Outcome, mode: str) -> dict[str, Recorder]:

@@ -94,8 +94,10 @@ def _differences_text(differences: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {a} → {b}" for k, (a, b) in differences.items())
 
 
-def failure_finding(strategy: str, mode: str, failure: RankFailure) -> Finding:
-    finding = failure.to_finding()
+def failure_finding(strategy: str, mode: str, failure: RankFailure, simulated: bool = False) -> Finding:
+    """``failure`` as a finding of ``strategy`` in ``mode``; on CPU virtual devices
+    (``simulated``) a hung rank is never put on a link or NCCL."""
+    finding = failure.to_finding(simulated=simulated)
     return replace(
         finding,
         message=f"{strategy} ({mode}): {finding.message}",
@@ -119,7 +121,9 @@ def unused_retry_finding(strategy: str, failure: RankFailure) -> Finding:
     )
 
 
-def nonfinite(outcome: Outcome, order: tuple[str, ...]) -> list[Finding]:
+def nonfinite(outcome: Outcome, order: tuple[str, ...], virtual: bool = False) -> list[Finding]:
+    """A finding per strategy whose gradients or loss hold a NaN or an Inf, with where the
+    runtime's record first saw it; on CPU virtual devices (``virtual``) no link is blamed."""
     out = []
     for strategy, result in outcome.results.items():
         bad = first_nonfinite(result.grads, order)
@@ -168,28 +172,19 @@ def nonfinite(outcome: Outcome, order: tuple[str, ...]) -> list[Finding]:
                 "error",
                 f"{strategy}: non-finite values in {what}{where}",
                 evidence,
-                cause="corrupt data on a link (see the transfer), or a model/learning rate that diverges "
+                cause="on CPU virtual devices no link exists: a fault planted with --inject, or a model/"
+                "learning rate that diverges (then single fails too)"
+                if virtual
+                else "corrupt data on a link (see the transfer), or a model/learning rate that diverges "
                 "(then single fails too)",
-                fix="if only parallel strategies fail, run `gpudiag nancheck` and rerun with "
+                fix="if no fault was injected, lower the learning rate or check the model where it first "
+                "went non-finite"
+                if virtual
+                else "if only parallel strategies fail, run `gpudiag nancheck` and rerun with "
                 "NCCL_P2P_DISABLE=1; if single fails too, lower the learning rate or check the model",
             )
         )
     return out
-
-
-def unused_finding(unused: list[str]) -> Finding:
-    shown = ", ".join(unused[:3]) + ("…" if len(unused) > 3 else "")
-    return Finding(
-        "unused-parameters",
-        "warning",
-        f"{len(unused)} parameter(s) get no gradient ({shown}): DDP without find_unused_parameters=True "
-        "leaves their bucket un-reduced in the first step and fails on the next; compared with "
-        "find_unused_parameters=True",
-        {"params": unused},
-        cause="parameters that do not contribute to the loss (an unused branch or head)",
-        fix="pass find_unused_parameters=True (or static_graph=True) to DistributedDataParallel, "
-        "or remove the unused parameters",
-    )
 
 
 def ranks_diverged(outcome: Outcome) -> list[Finding]:
@@ -259,11 +254,18 @@ def train_mode_findings(
     as-is comparisons) within tolerance (``after``)."""
     worst_before = max(before, key=lambda c: c.rel_norm_err)
     worst_after = max(after, key=lambda c: c.rel_norm_err, default=None)
+    share = share_removed(worst_before, worst_after) if worst_after is not None else 1.0
+    rest = (
+        f"; it removes {share:.0%} of the difference, the rest has another cause (below)"
+        if worst_after is not None and not worst_after.ok
+        else ""
+    )
     numbers = (
         f"relative norm error {worst_before.rel_norm_err:.3g} as-is, "
         f"{worst_after.rel_norm_err if worst_after else 0.0:.3g} in controlled mode"
     )
     evidence = {
+        "share": share,
         "strategies": [c.strategy for c in before],
         "rel_norm_err": worst_before.rel_norm_err,
         "rel_norm_err_controlled": worst_after.rel_norm_err if worst_after else 0.0,
@@ -276,7 +278,7 @@ def train_mode_findings(
                 "batchnorm-per-replica",
                 "warning",
                 f"BatchNorm normalises each replica's sub-batch with its own statistics "
-                f"({sites_text(sites.batch_statistics)}): {numbers} (BatchNorm on running statistics)",
+                f"({sites_text(sites.batch_statistics)}): {numbers} (BatchNorm on running statistics){rest}",
                 {**evidence, "modules": [s.to_json() for s in sites.batch_statistics]},
                 cause="per-device batch statistics (expected with DP and with DDP without SyncBatchNorm)",
                 fix="for agreement, use SyncBatchNorm under DDP (torch.nn.SyncBatchNorm."
@@ -289,7 +291,7 @@ def train_mode_findings(
                 "dropout-active",
                 "warning",
                 f"random draws of train mode ({sites_text(sites.random)}) differ under each strategy: "
-                f"{numbers} (random draws at their expected value, the RNG re-seeded at every forward)",
+                f"{numbers} (random draws at their expected value, the RNG re-seeded at every forward){rest}",
                 {**evidence, "modules": [s.to_json() for s in sites.random]},
                 cause="dropout masks, dropped paths and noise depend on how the batch is split and on "
                 "which RNG each device draws from",
@@ -298,6 +300,19 @@ def train_mode_findings(
             )
         )
     return out
+
+
+#: A train-mode cause that removes at least this share of a difference is named, with
+#: its share, even when something else is left.
+SHARE_NAMED = 0.5
+
+
+def share_removed(before: Comparison, after: Comparison) -> float:
+    """The share of ``before``'s difference that ``after`` (the same strategy, with a
+    cause taken away) no longer has: 1 - after/before, at least 0."""
+    if not before.rel_norm_err > 0 or not math.isfinite(after.rel_norm_err):
+        return 0.0
+    return max(0.0, 1.0 - after.rel_norm_err / before.rel_norm_err)
 
 
 def possible_causes(sites: TrainModeSites, c: Comparison, replicas: int) -> list[str]:
@@ -324,7 +339,7 @@ def loss_scale_applies(c: Comparison, world: int) -> str | None:
 def loss_scale_finding(c: Comparison, world: int, factor: str, rescaled_err: float, loss: Any) -> Finding:
     return Finding(
         "loss-scale-world-size",
-        "warning",
+        "error",  # the training code's loss is normalised per device: a bug, the run fails
         f"DDP's gradient is {c.norm_ratio:.4g}x single's ({factor}, W={world}) with cosine {c.cosine:.6f}: "
         f"the loss scale depends on the world size (multiplied by {'W' if factor == '1/W' else '1/W'} it "
         f"differs from single by {rescaled_err:.3g})",
@@ -439,16 +454,24 @@ def mismatch_finding(
             "run `gpudiag nancheck` / `gpudiag peer` on the same GPUs; rerun with NCCL_P2P_DISABLE=1 to "
             "see whether the difference goes away"
         )
+    update_failed = c.update_rel_err is not None and c.rel_norm_err <= tol
+    figure = (
+        f"{c.strategy} ({c.mode}): the parameter update after the last step differs from single's by "
+        f"{c.update_rel_err:.3g} (relative norm error, allowed {10 * tol:.3g}; the first step's gradient "
+        f"agrees to {c.rel_norm_err:.3g})"
+        if update_failed
+        else f"{c.strategy} ({c.mode}) differs from single by {c.rel_norm_err:.3g} (relative norm error, "
+        f"tolerance {tol:.3g}; cosine {c.cosine:.6f}, norm ratio {c.norm_ratio:.4g})"
+    )
     return Finding(
         "mismatch-unexplained",
         "error",
-        f"{c.strategy} ({c.mode}) differs from single by {c.rel_norm_err:.3g} (relative norm error, "
-        f"tolerance {tol:.3g}; cosine {c.cosine:.6f}, norm ratio {c.norm_ratio:.4g}){measured} and no known "
-        f"cause accounts for it{maybe}",
+        f"{figure}{measured} and no known cause accounts for it{maybe}",
         {
             "strategy": c.strategy,
             "mode": c.mode,
             "rel_norm_err": c.rel_norm_err,
+            "update_rel_err": c.update_rel_err,
             "cosine": c.cosine,
             "norm_ratio": c.norm_ratio,
             "first_bad_param": c.first_bad_param,

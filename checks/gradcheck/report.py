@@ -56,6 +56,9 @@ class Comparison:
     params: list[ParamDiff] = field(default_factory=list)
     update_rel_err: float | None = None  # after K > 1 steps: the parameter updates
     options: dict[str, Any] = field(default_factory=dict)  # e.g. a retry's find_unused_parameters
+    #: a near miss judged against a float64 single run (confirm.against_float64): single's
+    #: and this strategy's distance from it, the measured tolerance, whether it is closer
+    float64: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +75,9 @@ class Comparison:
             "first_bad_param": self.first_bad_param,
             "update_rel_err": None if self.update_rel_err is None else _number(self.update_rel_err),
             "options": self.options,
+            "float64": None
+            if self.float64 is None
+            else {k: v if isinstance(v, bool) else _number(v) for k, v in self.float64.items()},
             "params": [
                 {
                     "name": p.name,

@@ -78,6 +78,9 @@ class TrainModeSites:
 
     batch_statistics: tuple[Site, ...]
     random: tuple[Site, ...]
+    #: modules whose forward wrote a parameter in place (a data-dependent init, an update
+    #: in forward): per-replica state no mode can take away
+    state_writes: tuple[Site, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.batch_statistics or self.random)
@@ -119,7 +122,7 @@ def probe(
     for module in paths:
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
-    draws = _SeededDraws(lambda: stack[-1] if stack else "")
+    draws = _SeededDraws(lambda: stack[-1] if stack else "", _storages(model.parameters()))
     try:
         with torch.enable_grad(), nondeterministic_alerts(), draws:  # (the runs report alerts)
             call_model(model, inputs)
@@ -130,7 +133,23 @@ def probe(
     for where in draws.batch_statistics:  # batch-norm ops without a BatchNorm module
         batch_stats.setdefault(where, Site(where, classes.get(where, "?"), "batch statistics"))
     random = {(where, op): Site(where, classes.get(where, "?"), op) for where, op in draws.found}
-    return TrainModeSites(tuple(batch_stats.values()), tuple(random.values()))
+    writes = {
+        w: Site(w, classes.get(w, "?"), f"writes a parameter ({op})") for w, op in reversed(draws.writes)
+    }
+    return TrainModeSites(
+        tuple(batch_stats.values()), tuple(random.values()), tuple(reversed(writes.values()))
+    )
+
+
+def _storages(tensors: Any) -> set[int]:
+    """The storage addresses of ``tensors`` (those that have a plain storage)."""
+    out = set()
+    for t in tensors:
+        try:
+            out.add(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # (sparse, meta, a wrapper subclass)
+            continue
+    return out
 
 
 #: Arguments whose value says a seeded op draws nothing (dropout with p 0, not training).
@@ -157,11 +176,13 @@ class _SeededDraws(TorchDispatchMode):
     with an effect (an attention kernel with ``dropout_p=0`` draws nothing), and the
     module of every batch-norm op that normalises with batch statistics."""
 
-    def __init__(self, where: Callable[[], str]):
+    def __init__(self, where: Callable[[], str], params: set[int] | None = None):
         super().__init__()
         self.where = where
+        self.params = params or set()
         self.found: list[tuple[str, str]] = []
         self.batch_statistics: list[str] = []
+        self.writes: list[tuple[str, str]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -169,7 +190,22 @@ class _SeededDraws(TorchDispatchMode):
             self.found.append((self.where(), str(func.overloadpacket.__name__)))
         elif _batch_statistics(func, args, kwargs):
             self.batch_statistics.append(self.where())
+        elif self.params and _writes(func, args, self.params):
+            self.writes.append((self.where(), str(func.overloadpacket.__name__)))
         return func(*args, **kwargs)
+
+
+def _writes(func: Any, args: Any, params: set[int]) -> bool:
+    """Whether ``func`` writes its first argument in place and that is a parameter."""
+    schema = getattr(func, "_schema", None)
+    first = schema.arguments[0] if schema is not None and schema.arguments else None
+    alias = getattr(first, "alias_info", None)
+    if alias is None or not alias.is_write or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    try:
+        return args[0].untyped_storage().data_ptr() in params
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _batch_statistics(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:

@@ -271,6 +271,21 @@ def input_shape_option(
     )
 
 
+class ChoiceOrFunction(click.Choice):
+    """One of the choices, or ``FILE.py:NAME`` (checked when the command resolves it)."""
+
+    def get_metavar(self, param: Any, *args: Any) -> str:
+        return "[" + "|".join(str(c) for c in self.choices) + "|FILE.py:NAME]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, str) and ":" in value and value.rpartition(":")[0].endswith(".py"):
+            return value
+        if value in self.choices:
+            return value
+        choices = ", ".join(repr(c) for c in self.choices)
+        self.fail(f"{value!r} is not one of {choices}, nor a function FILE.py:NAME", param, ctx)
+
+
 def declared_options(options: type, *names: str) -> Any:
     """The click options ``--NAME`` of a check's options type (``gpudiag.checks.options``),
     each with the type's default, choices or range and help: declared there once."""
@@ -294,7 +309,9 @@ def declared_options(options: type, *names: str) -> Any:
                 )(command)
                 continue
             kind: Any
-            if spec.choices is not None:
+            if spec.choices is not None and spec.or_function:
+                kind = ChoiceOrFunction(list(spec.choices))
+            elif spec.choices is not None:
                 kind = click.Choice(list(spec.choices))
             elif isinstance(default, int) and not isinstance(default, bool):
                 kind = click.IntRange(

@@ -108,6 +108,12 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 @click.option("--model", default="mlp", show_default=True, metavar="SPEC", help="As for gradcheck.")
 @input_shape_option()
 @input_options
+@click.option(
+    "--inputs",
+    "inputs_file",
+    metavar="FILE",
+    help="The batch from a file torch.save wrote, as for gradcheck (targets are generated).",
+)
 @click.option("--num-classes", default=D.NUM_CLASSES, show_default=True, type=click.IntRange(1))
 @click.option("--batch-size", default=D.BATCH_SIZE, show_default=True, type=click.IntRange(1))
 @declared_options(NancheckOptions, "loss", "lr", "seed")

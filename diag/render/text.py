@@ -173,18 +173,6 @@ def grouped_pairs(pairs: list[GpuPair]) -> list[tuple[tuple[str | None, str | No
     return sorted(groups.items(), key=lambda kv: -link_rank(kv[0][0]))
 
 
-def _bar(err: float, tol: float, width: int = 24) -> str:
-    """A log-scale bar of a relative error: empty at 1e-9, full at 1; red above ``tol``."""
-    import math
-
-    if not math.isfinite(err):
-        return "[bold red]" + "█" * width + " non-finite[/bold red]"
-    level = 0.0 if err <= 0 else min(1.0, max(0.0, (math.log10(err) + 9) / 9))
-    bar = "█" * round(level * width)
-    style = "red" if err > tol else "green"
-    return f"[{style}]{bar:<{width}}[/{style}] {err:.2e}"
-
-
 def gradcheck(report: Any, stream: TextIO) -> None:
     with text_console(stream) as out:
         _gradcheck(out, report)
@@ -206,59 +194,9 @@ GRADCHECK_COLUMNS = (
 
 
 def _gradcheck(out: Any, report: Any) -> None:
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
+    from gpudiag.render.gradcheck_text import render
 
-    cfg = report.config
-    style = VERDICT_STYLE.get(report.verdict, "bold")
-    _rehearsal(out, cfg)
-    out.print(
-        f"[bold]gradcheck[/bold] [{style}]{report.verdict.upper()}[/{style}]{_simulated(report)}"
-        f" · model {escape(str(cfg.get('model', '?')))}"
-        f" · batch {cfg['batch_size']} · world size {cfg['world_size']} ({cfg['devices']['kind']} devices)"
-        f" · {cfg['dtype']} · loss {cfg['loss']} · {cfg['steps']} step(s)"
-    )
-    if report.simulation:
-        out.print(f"[yellow]{escape(capitalised(report.simulation))}[/yellow]")
-    settings = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report.settings.items())
-    out.print(
-        f"tolerance: relative norm error ≤ {report.tolerance['rel_norm_err']:.3g} "
-        f"({escape(report.tolerance['basis'])}) · {settings}"
-    )
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in GRADCHECK_COLUMNS:
-        table.add_column(column)
-    for c in report.comparisons:
-        options = " ".join(f"{k}={v}" for k, v in c.options.items())
-        table.add_row(
-            c.strategy + (f" [dim]({options})[/dim]" if options else ""),
-            c.mode,
-            "[green]ok[/green]" if c.ok else "[red]differs[/red]",
-            f"{c.rel_norm_err:.2e}",
-            f"{c.cosine:.6f}",
-            f"{c.norm_ratio:.4f}",
-            f"{c.max_abs_err:.2e}",
-            escape(c.worst_param or "—"),
-            escape(c.first_bad_param or "—"),
-        )
-    out.print(table)
-    tol = report.tolerance["rel_norm_err"]
-    for c in report.comparisons:
-        if c.ok or not c.params:
-            continue
-        out.print(
-            f"\n[bold]Where {c.strategy} ({c.mode}) differs[/bold]"
-            " — relative error per parameter, module order"
-        )
-        start = next((i for i, p in enumerate(c.params) if p.name == c.first_bad_param), 0)
-        shown = c.params[max(0, start - 2) : start + 14]
-        width = max(len(p.name) for p in shown)
-        for p in shown:
-            out.print(f"  {escape(p.name):<{width}}  {_bar(p.rel_norm_err, tol)}")
-        if len(c.params) > len(shown):
-            out.print(f"  [dim]… {len(c.params) - len(shown)} more parameter(s) in the JSON output[/dim]")
-    findings(out, report.findings, "Findings")
+    render(out, report, _rehearsal, _simulated(report), findings)
 
 
 STATUS_STYLE = {

@@ -93,14 +93,24 @@ class RankFailure(GpudiagError):
         self.rank = rank
         self.detail = detail
 
-    def to_finding(self) -> Finding:
-        """The ``rank-crashed`` / ``rank-hung`` finding, carrying the rank's traceback."""
-        fix = (
-            "read the rank's traceback below; rerun with the same seed to reproduce"
-            if self.code == "rank-crashed"
-            else "a rank stuck in a collective usually means a peer-to-peer or network path "
-            "that stalls: rerun with NCCL_P2P_DISABLE=1 and NCCL_DEBUG=INFO"
-        )
+    def to_finding(self, simulated: bool = False) -> Finding:
+        """The ``rank-crashed`` / ``rank-hung`` finding, carrying the rank's traceback.
+        ``simulated``: the ranks were CPU processes over gloo, where no link and no NCCL
+        exist, so a hang is never put on them."""
+        if self.code == "rank-crashed":
+            fix = "read the rank's traceback below; rerun with the same seed to reproduce"
+        elif simulated:
+            fix = (
+                "not a link or NCCL fault: these ranks are CPU processes over gloo; ranks that wait in "
+                "different collectives did different work — a parameter used on some ranks only (pass "
+                "find_unused_parameters=True), rank-dependent control flow, or a forward slower than "
+                "--timeout"
+            )
+        else:
+            fix = (
+                "a rank stuck in a collective usually means a peer-to-peer or network path "
+                "that stalls: rerun with NCCL_P2P_DISABLE=1 and NCCL_DEBUG=INFO"
+            )
         return Finding(self.code, "error", str(self), {"rank": self.rank, "detail": self.detail}, fix=fix)
 
 
