@@ -131,9 +131,7 @@ _BARE_JSON = re.compile(r"[^\s\"',\]}]+")
 #: end), a bracket, a newline; the text between them is skipped by the search.
 _CONTAINER = re.compile(r"(?P<q>[\"'])(?:(?!(?P=q))[^\\\n]|\\.)*(?P<close>(?P=q))?|[\[\]{}\n]")
 #: ``--name value`` on a command line.
-FLAG = re.compile(
-    r"(?<![\w-])(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value>[\"'][^\"'\n]*[\"']?|[^\s\"'-][^\s\"']*)"
-)
+FLAG = re.compile(r"(?<![\w-])(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)")
 
 
 #: What every secret name holds, upper-cased (see :func:`gpudiag.redact.is_secret_name`:
@@ -172,13 +170,12 @@ def assignments(text: str, secret: Callable[[str], bool]) -> str:
         key = KEY.match(text, start) or (KEY.match(text, run) if start != run else None)
         if key is None or not secret(key.group("name")):
             option = FLAG.match(text, run)
-            if (
-                option is not None
-                and secret(option.group("flag"))
-                and not _ALREADY.match(text, option.start("value"))
-            ):
-                out += [text[done : option.start("value")], MARK]
-                done = pos = option.end()
+            span = (
+                _value(text, option.end(), option["sep"], "") if option and secret(option["flag"]) else None
+            )
+            if span is not None:
+                out += [text[done : span[0]], span[2]]
+                done = pos = span[1]
             else:
                 ahead = _NAME_BACK.match(text, hint.start())
                 pos = ahead.end() if ahead else hint.end()

@@ -29,6 +29,7 @@ from typing import Any
 from gpudiag.errors import InputError
 from gpudiag.hang.reader import dump_files, dumps_in, load_tree, parse_dump, rank_of
 from gpudiag.hang.result import MAX_STACKS_BYTES, HangResult, judge
+from gpudiag.render.jsonout import TooLarge, dumps_bounded
 
 #: The folder inside the bundle.
 FOLDER = "hang"
@@ -75,9 +76,12 @@ def collect(folder: str) -> dict[str, bytes]:
             raise InputError(f"{path}: rank {rank}, more than the {MAX_WORLD:,} ranks gpudiag hang judges")
         tree = load_tree(path)
         parse_dump(tree, path, rank)  # (what gpudiag hang could not read is refused here)
-        data = (json.dumps(tree, default=str) + "\n").encode()
-        if len(data) > MAX_DUMP_BYTES:
-            raise _too_large(folder, f"{path.name} is {len(data)} bytes as JSON")
+        try:  # (its size counted as it is written: a pickle's memo cannot make gigabytes)
+            data = dumps_bounded(tree, MAX_DUMP_BYTES)
+        except TooLarge:
+            raise _too_large(folder, f"{path.name} is more than {MAX_DUMP_BYTES} bytes as JSON") from None
+        except ValueError as exc:
+            raise InputError(f"{path}: cannot be written as JSON ({exc})") from None
         total += len(data)
         if total > MAX_BYTES:
             raise _too_large(folder, "its dumps hold more together")
