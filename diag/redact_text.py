@@ -141,7 +141,8 @@ HINTS = (
     "TOKEN", "SECRET", "PASS", "CRED", "COOKIE", "PRIVATE", "KEY", "AUTH", "DSN", "PWD", "SESSION",
     "AWS", "AZURE", "DATABASE",
 )  # fmt: skip
-_HINT = re.compile("|".join(HINTS), re.IGNORECASE)
+#: The hints, found in the text's ASCII letters upper-cased (:func:`_probe`: same length).
+_HINT = re.compile("|".join(HINTS).encode())
 #: Name characters, matched on the reversed text to find where the name around a hint starts.
 _NAME_BACK = re.compile(r"[\w.-]*")
 
@@ -155,13 +156,13 @@ def assignments(text: str, secret: Callable[[str], bool]) -> str:
 
     Only the names around a :data:`HINTS` word are read (each name once: linear), and not
     at all in text without one."""
-    upper = text.upper()
-    if not any(hint in upper for hint in HINTS):
+    probe = text.encode("ascii", "replace").upper()  # (one byte a character: positions agree)
+    if not any(hint.encode() in probe for hint in HINTS):
         return text
     reverse = text[::-1]
     out: list[str] = []
     done = pos = 0
-    for hint in _HINT.finditer(text):
+    for hint in _HINT.finditer(probe):
         if hint.start() < pos:
             continue
         behind = _NAME_BACK.match(reverse, len(text) - hint.start())

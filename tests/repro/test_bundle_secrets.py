@@ -117,8 +117,8 @@ def _inputs(planted: str, keyed: dict[str, Any]) -> dict[str, bytes]:
         "hang/verdict.json": (json.dumps(verdict, indent=2) + "\n").encode(),
         "report.json (env)": json.dumps(env, indent=2).encode(),
         "report.json (command)": json.dumps(command, indent=2).encode(),
-        "nccl/0-rank0.log": f"gpu-a:1:2 [0] NCCL INFO {planted}\ngpu-a:1:2 [0] NCCL INFO cfg {text_keyed}\n".encode(),
-        "logs/gradcheck/launch0-rank1.log": f"[rank1] {planted}\n[rank1] config {python_keyed} done\n".encode(),
+        "nccl/0-rank0.log": f"a:1:2 [0] NCCL INFO {planted}\na:1:2 [0] NCCL INFO cfg {text_keyed}\n".encode(),
+        "logs/gradcheck/launch0-rank1.log": f"[rank1] {planted}\n[rank1] cfg {python_keyed} done\n".encode(),
         "REPORT.md": f"# report\n\n```\n{planted}\n{text_keyed}\n```\n".encode(),
     }
 
@@ -202,7 +202,9 @@ def test_report_bundles_none_of_the_secrets_planted_in_its_inputs(
     log = tmp_path / "nccl.log"
     lines = NCCL_LOG.read_text(encoding="utf-8").splitlines()
     half = len(lines) // 2
-    log.write_text("\n".join([*lines[:half], f"{lines[half]} {text}", json.dumps(keyed), *lines[half:]]) + "\n")
+    log.write_text(
+        "\n".join([*lines[:half], f"{lines[half]} {text}", json.dumps(keyed), *lines[half:]]) + "\n"
+    )
     # the environment and the command line the report records
     monkeypatch.setenv("NCCL_IB_HCA", plants[0][0].replace("\n", " "))
     monkeypatch.setenv("GPUDIAG_HOSTNAME", HOST)
