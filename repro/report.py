@@ -263,13 +263,14 @@ def _trace(run: CheckRun) -> bytes | None:
 def bundle_files(report: Report) -> dict[str, bytes]:
     """Every file of the bundle by its path inside it, not yet redacted."""
     from gpudiag.hw.machine import to_json as machine_json
+    from gpudiag.render import printable
     from gpudiag.render.report_markdown import report_markdown
     from gpudiag.repro.scripts import repro_script
 
     files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}
-    files["REPORT.md"] = report_markdown(report).encode()
+    files["REPORT.md"] = printable(report_markdown(report)).encode()
     if report.reproducible:
-        files["repro.py"] = repro_script(report.reproducible).encode()
+        files["repro.py"] = repro_script(report.reproducible).encode("utf-8", "backslashreplace")
     if report.here.machine is not None:
         document = machine_json(report.here.machine, f"the machine of {report.here.machine_source}")
         files[MACHINE_FILE] = (json.dumps(document, indent=1) + "\n").encode()

@@ -26,6 +26,7 @@ from typing import Any
 
 from gpudiag.errors import InputError
 from gpudiag.fileio import read_bounded
+from gpudiag.render import printable
 from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, FleetVerdict
 from gpudiag.repro.sweep.links import pair_rounds
 from gpudiag.repro.sweep.rules import FIGURES, check_rules, parse_json
@@ -315,7 +316,7 @@ def summary_markdown(
     notes += list(run.get("notes") or [])
     if notes:
         out += ["", "## Notes", ""] + [f"- {_cell(n)}" for n in notes]
-    return "\n".join(out) + "\n"
+    return printable("\n".join(out) + "\n")
 
 
 def summary_text(verdict: FleetVerdict) -> str:
@@ -336,4 +337,4 @@ def summary_text(verdict: FleetVerdict) -> str:
     if healthy:
         shown = ", ".join(healthy[:10]) + (f" and {len(healthy) - 10} more" if len(healthy) > 10 else "")
         lines.append(f"  healthy: {shown}")
-    return "\n".join(lines) + "\n"
+    return printable("\n".join(lines) + "\n")

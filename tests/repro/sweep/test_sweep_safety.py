@@ -419,3 +419,21 @@ def test_a_signal_is_honoured_within_seconds_even_inside_a_cpp_wait(tmp_path: Pa
     assert err.strip().splitlines()[-1] == f"gpudiag: interrupted by SIG{sig}; stopped", err
     assert [p.name for p in scratch.iterdir()] == []
     assert session_processes(proc.pid) == [], "rank processes left behind"
+
+
+def test_the_sweep_summary_escapes_what_a_node_said_about_itself() -> None:
+    """Issue 44: a node's host name and check headlines are whatever it reported; a
+    terminal escape in them is written escaped in SUMMARY.md and the terminal's summary."""
+    from gpudiag.repro.sweep.judge import judge
+    from gpudiag.repro.sweep.results import summary_markdown, summary_text
+
+    hostile = "\x1b[2J\x1b]52;c;ZXZpbA==\x07\u202e"
+    bad = node(1, host=f"node1{hostile}", topology_digest="other")
+    records = [node(0), bad, node(2)]
+    verdict = judge(records)
+    for text in (
+        summary_markdown(verdict, records, {"command": ["gpudiag", "sweep", hostile]}),
+        summary_text(verdict),
+    ):
+        assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
+        assert "node1\\x1b[2J" in text
