@@ -314,7 +314,7 @@ def write_bundle(
 ) -> Path:
     """Write the bundle (a folder, or a zip for ``*.zip``), every file redacted; atomic."""
     target = check_destination(path, force)
-    files = {name: redactor.bytes(data) for name, data in bundle_files(report).items()}
+    files = {_encodable(name): redactor.bytes(data) for name, data in bundle_files(report).items()}
     if target.suffix == ".zip":
         from gpudiag.fileio import atomic_output
 
@@ -323,6 +323,16 @@ def write_bundle(
                 archive.writestr(_zip_info(name, name == "repro.py"), data)
         return target
     return write_folder(target, files, executable=frozenset({"repro.py"}))
+
+
+def _encodable(name: str) -> str:
+    """A bundle path every file system and zip can hold: one that UTF-8 cannot encode (a
+    lone surrogate from a log's undecodable file name) with those characters escaped."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+    return name
 
 
 def _zip_info(name: str, executable: bool) -> zipfile.ZipInfo:

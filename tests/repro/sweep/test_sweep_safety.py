@@ -437,3 +437,26 @@ def test_the_sweep_summary_escapes_what_a_node_said_about_itself() -> None:
     ):
         assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
         assert "node1\\x1b[2J" in text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_results_jsonl_that_is_a_fifo_or_a_device_is_refused_unread(tmp_path: Path, kind: str) -> None:
+    """Issue 44: read_results opened results.jsonl as it was (the folder's check came
+    before, so a file swapped in meanwhile, or a path given directly, was read): a FIFO
+    blocked for ever, /dev/zero (no newline) was one line growing without bound. In a
+    child with a deadline."""
+    source = "/dev/zero"
+    if kind == "fifo":
+        source = str(tmp_path / "results.jsonl")
+        os.mkfifo(source)
+    code = (
+        "import sys\n"
+        "from gpudiag.errors import InputError\n"
+        "from gpudiag.repro.sweep.results import read_results\n"
+        "try:\n"
+        f"    read_results({source!r})\n"
+        "except InputError as exc:\n"
+        "    print(exc)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "not a file; refused unread" in run.stdout, (run.stdout, run.stderr)
