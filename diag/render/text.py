@@ -48,7 +48,7 @@ def _console_class() -> Any:
     class PrintableConsole(Console):
         def _render_buffer(self, buffer: Any) -> str:
             safe = (s if s.control else Segment(printable(s.text), s.style, s.control) for s in buffer)
-            return super()._render_buffer(safe)  # type: ignore[misc]
+            return super()._render_buffer(safe)
 
     return PrintableConsole
 
