@@ -97,6 +97,8 @@ _IPV6_BODY = (
     r"(?![\w:]|\.\d)"
 )
 _IPV6 = re.compile(rf"(?<![\w:.]){_IPV6_BODY}")
+#: What every IPv6 address holds: ``::``, or a hex digit on each side of a colon.
+_IPV6_HINT = re.compile(r"::|[0-9a-fA-F]:[0-9a-fA-F]")
 #: An address after its interface, as NCCL prints them (``[1]ib0:fe80::1%ib0<0>``,
 #: ``Using eth0:2001:db8::5<0>``): the colon after the name hid it from :data:`_IPV6`.
 _IPV6_AFTER_INTERFACE = re.compile(rf"(?<![\w:.-])(?P<interface>[A-Za-z][\w.-]{{0,30}}:){_IPV6_BODY}")
@@ -208,7 +210,7 @@ class Redactor:
             for name, pattern, mark in self._identities:
                 if name in text:
                     text = pattern.sub(mark, text)
-            if "::" in text or text.count(":") >= 7:
+            if _IPV6_HINT.search(text):
                 text = _IPV6_AFTER_INTERFACE.sub(lambda m: f"{m.group('interface')}<ip>", text)
                 text = _IPV6.sub("<ip>", text)
             if "." in text:

@@ -143,6 +143,10 @@ HINTS = (
 )  # fmt: skip
 #: The hints, found in the text's ASCII letters upper-cased (:func:`_probe`: same length).
 _HINT = re.compile("|".join(HINTS).encode())
+#: The ASCII characters of a name (a hint after another one is inside a longer name).
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+#: What a name or its quote can start with (a nested label is looked for only there).
+_KEY_STARTS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_-\"'")
 #: Name characters, matched on the reversed text to find where the name around a hint starts.
 _NAME_BACK = re.compile(r"[\w.-]*")
 
@@ -165,8 +169,10 @@ def assignments(text: str, secret: Callable[[str], bool]) -> str:
     for hint in _HINT.finditer(probe):
         if hint.start() < pos:
             continue
-        behind = _NAME_BACK.match(reverse, len(text) - hint.start())
-        run = hint.start() - (behind.end() - behind.start() if behind else 0)
+        run = hint.start()
+        if run and text[run - 1] in _NAME_CHARS:  # (the name starts before its hint)
+            behind = _NAME_BACK.match(reverse, len(text) - run)
+            run -= behind.end() - behind.start() if behind else 0
         start = run - 1 if run and text[run - 1] in "\"'" else run
         key = KEY.match(text, start) or (KEY.match(text, run) if start != run else None)
         if key is None or not secret(key.group("name")):
@@ -182,7 +188,12 @@ def assignments(text: str, secret: Callable[[str], bool]) -> str:
                 pos = ahead.end() if ahead else hint.end()
             continue
         value = key.end()
-        while (nested := KEY.match(text, value)) is not None and secret(nested.group("name")):
+        while (
+            value < len(text)
+            and text[value] in _KEY_STARTS
+            and (nested := KEY.match(text, value)) is not None
+            and secret(nested.group("name"))
+        ):
             key, value = nested, nested.end()  # a label before the real one
         span = _value(text, value, key.group("sep"), key.group("quote"))
         if span is None:
@@ -199,12 +210,12 @@ def _value(text: str, start: int, sep: str, quote: str) -> tuple[int, int, str] 
     there is none to hide (empty, already redacted, an option after blanks)."""
     if start >= len(text):
         return None
-    scheme = _SCHEME_WORD.match(text, start)
+    scheme = _SCHEME_WORD.match(text, start) if text[start] in "BbTtD" else None
     if scheme is not None:
         start = scheme.end()
         if start >= len(text):
             return None
-    if _ALREADY.match(text, start):
+    if text[start] == "<" and _ALREADY.match(text, start):
         return None
     first = text[start]
     if first in "\"'":
