@@ -20,8 +20,9 @@ from tests.helpers import FR, SEED_MACHINE, invoke
 from tests.helpers.nccl_logs import LOG as NCCL_LOG
 
 #: ``gpudiag SUBCOMMAND …`` in printed text: its words up to a backtick, a comma, a
-#: semicolon, a parenthesis, an ellipsis or the end of the line.
-_COMMAND = re.compile(r"(?<![\w/.-])gpudiag [a-z][a-z-]*(?: (?:[\w./=:@*>+'\"<\[\]-]+))*")
+#: semicolon, a parenthesis, an ellipsis or the end of the line (a Markdown heading that
+#: names a command, ``## gpudiag replay``, is a title, not a command line).
+_COMMAND = re.compile(r"(?<![\w/.-])(?<!# )gpudiag [a-z][a-z-]*(?: (?:[\w./=:@*>+'\"<\[\]-]+))*")
 
 
 def commands_in(text: str) -> list[str]:
