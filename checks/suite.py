@@ -174,10 +174,15 @@ def _headline(findings: list[Finding], fallback: str) -> str:
 
 def command_line(name: str, config: Mapping[str, Any] | None) -> str:
     """The equivalent ``gpudiag`` command: each config key is the option of the same name
-    (``machine`` → ``--machine machine.json``, the bundle's copy); ``source`` is not an option."""
+    (``machine`` → ``--machine machine.json``, the bundle's copy); ``source`` is not an option;
+    a key in :data:`POSITIONAL` is the command's argument (``gpudiag hang hang/``), last."""
     argv = ["gpudiag", name]
+    positional: list[str] = []
     for key, value in (config or {}).items():
         if key == "source" or value is None or value is False or value == []:
+            continue
+        if key in POSITIONAL:
+            positional += [str(v) for v in value] if isinstance(value, list) else [str(value)]
             continue
         flag = "--" + key.replace("_", "-")
         if key in ("inject", "from_log"):
@@ -189,4 +194,8 @@ def command_line(name: str, config: Mapping[str, Any] | None) -> str:
             argv.append(flag)
         else:
             argv += [flag, str(value)]
-    return shlex.join(argv)
+    return shlex.join([*argv, *(["--"] if any(p.startswith("-") for p in positional) else []), *positional])
+
+
+#: Configuration keys that are a command's arguments, not options (``hang``'s dump folder).
+POSITIONAL = frozenset({"dumps"})

@@ -52,19 +52,12 @@ MAX_INPUT_BYTES = 64 << 20
 
 def read_bounded(path: str | os.PathLike[str], what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of a small input file ``path`` (``what`` names it in errors: "rules file"),
-    at most ``limit`` bytes: larger, or not a regular file or character device (a FIFO
-    would block; a folder), or unreadable → :class:`InputError` (exit 2), one line. The
-    file is opened without blocking and checked before anything is read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
-    mode = os.fstat(fd).st_mode
-    if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):  # (before fdopen, which refuses a folder itself)
-        os.close(fd)
-        kind = "folder" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
-        raise InputError(f"{what} {path}: a {kind}, not a file")
-    with os.fdopen(fd, "rb") as stream:
+    at most ``limit`` bytes: larger, or not a regular file (a FIFO would block, a device
+    such as ``/dev/zero`` never ends; a folder), or unreadable → :class:`InputError`
+    (exit 2), one line. What is not a regular file is refused unread (:func:`open_regular`)."""
+    with open_regular(path, what) as stream:
+        if os.fstat(stream.fileno()).st_size > limit:
+            raise InputError(f"{what} {path}: larger than {limit >> 20} MiB, refused")
         try:
             data = stream.read(limit + 1)
         except OSError as exc:
@@ -72,6 +65,33 @@ def read_bounded(path: str | os.PathLike[str], what: str, limit: int = MAX_INPUT
     if data is None or len(data) > limit:
         raise InputError(f"{what} {path}: larger than {limit >> 20} MiB, refused")
     return data
+
+
+def open_regular(path: str | os.PathLike[str], what: str) -> BinaryIO:
+    """``path`` opened for reading in binary, when it is a regular file; else (a FIFO, a
+    device such as ``/dev/zero``, a socket, a folder) or unreadable → :class:`InputError`
+    (exit 2), one line, and nothing read: the file is opened without blocking and checked
+    by its descriptor (no race with a file swapped in between)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # (before fdopen, which refuses a folder itself)
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(mode), "special file")
+        raise InputError(f"{what} {path}: a {kind}, not a file; refused unread")
+    return os.fdopen(fd, "rb")
+
+
+#: What a file that is not a regular one is, in words, by its ``stat.S_IFMT``.
+_KINDS = {
+    stat.S_IFDIR: "folder",
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "device",
+    stat.S_IFBLK: "device",
+    stat.S_IFSOCK: "socket",
+}
 
 
 def check_target(

@@ -33,8 +33,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-MARK = "<redacted: set>"
-URL_MARK = "<redacted>"
+from gpudiag.redact_text import MARK, assignments, pem_blocks, url_credentials
 
 #: Words that make a variable name secret wherever they stand (``HF_TOKEN``, ``DB_CREDS``).
 _SECRET_WORDS = frozenset(
@@ -50,6 +49,8 @@ _SECRET_PREFIXES = ("AWS_", "AZURE_")
 _SECRET_EXACT = frozenset({"DATABASE_URL", "KEY", "AUTH", "SESSION"})
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 #: Token shapes worth scrubbing anywhere, whatever variable or log line holds them.
+#: What every token shape of :data:`_TOKENS` holds (text without any is not searched).
+_TOKEN_FIXED = ("hf_", "gh", "github_pat_", "sk-", "AKIA", "xox", "eyJ")
 #: Token shapes; a token may follow a digit or punctuation (``10.0.0.1hf_…`` in a log
 #: line), not a letter (then it is part of a longer word).
 _TOKENS = re.compile(
@@ -58,31 +59,46 @@ _TOKENS = re.compile(
     r"|sk-(?:[A-Za-z0-9_-]{2,}-)?[A-Za-z0-9_-]{16,}"
     r"|AKIA[0-9A-Z]{16}\b"
     r"|xox[abposr]-[A-Za-z0-9-]{10,}"
-    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"
+    r"|(?<![\w-])eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"
 )
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@\"']*:[^/\s@\"']+@")
 #: ``Bearer <token>`` (an ``Authorization`` header in a log line), whatever precedes it.
 _BEARER = re.compile(r"\b(?P<scheme>[Bb]earer)\s+[A-Za-z0-9._~+/=-]{8,}")
 _GPU_UUID = re.compile(r"\b(GPU|MIG)-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}\b")
-_IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 #: A package whose versions have four parts (``nvidia-cublas 13.1.1.3``, ``nvidia-cudnn-cu13
 #: 9.24.0.43``): a dotted quad after its name is its version, not an address.
 _PACKAGE = (
     r"(?:nvidia-(?!smi\b)[a-z0-9-]+|torch(?:vision|audio)?|triton|numpy|cudnn[a-z0-9-]*|nccl[a-z0-9-]*)"
 )
 _PACKAGE_NAME = re.compile(_PACKAGE)
+_IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 #: What stands right before a version: a package name and ``==``, ``=``, ``:``, ``|`` or
-#: blanks (pip freeze, ``env``'s table, JSON text), or ``v`` / ``version``.
-_VERSION_BEFORE = re.compile(
-    rf"(?:(?<![\w.-]){_PACKAGE}[\"']?(?:==|[ \t]*[:=|][ \t]*|[ \t]+)[\"']?"
-    r"|(?<!\w)(?:[Vv]|[Vv]ersion[ \t]*[:=]?[ \t]*))$"
+#: blanks (pip freeze, ``env``'s table, JSON text), or ``v`` / ``version`` — written
+#: backwards, matched on the reversed text before a dotted quad (an anchored match:
+#: bounded work per address, where a search ending there tried every start).
+_VERSION_BEFORE_REVERSED = re.compile(
+    r"[\"']?(?:==|[ \t]*[:=|][ \t]*|[ \t]+)[\"']?"
+    r"(?:[a-z0-9-]*?[a-z0-9](?<!\bims)-aidivn|(?:noisiv|oidua)?hcrot|notirt|ypmun|[a-z0-9-]*nnduc|[a-z0-9-]*lccn)"
+    r"(?![\w.-])"
+    r"|(?:[Vv]|[ \t]*[:=]?[ \t]*noisre[Vv])(?!\w)"
 )
+#: The characters a version's prefix can end with (anything else before a quad: an address).
+_VERSION_LAST = frozenset("=:| \t\"'vVn")
 _DOTTED_QUAD = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
+_H = r"[0-9a-fA-F]{1,4}"
+_V4 = r"(?:\d{1,3}\.){3}\d{1,3}"
+#: Every form of an IPv6 address (RFC 4291 §2.2): eight groups; compressed with ``::``
+#: anywhere, also at the end (``2001:db8:85a3::``, ``fe80::``) or the start (``::1``); an
+#: IPv4 address in the last 32 bits (``::ffff:192.0.2.1``); a zone id after ``%``
+#: (``fe80::1%eth0``: the interface name stays). At most eight groups: bounded work.
 _IPV6_BODY = (
-    r"(?:(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}"
-    r"|(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{0,4}::(?:[0-9a-fA-F]{1,4}:)*[0-9a-fA-F]{1,4})(?![\w:])"
+    rf"(?:(?:{_H}:){{7}}{_H}|(?:{_H}:){{6}}{_V4}"
+    rf"|{_H}(?::{_H}){{0,6}}::(?:(?:{_H}:){{0,5}}{_V4}|{_H}(?::{_H}){{0,6}})?"
+    rf"|::(?:(?:{_H}:){{0,5}}{_V4}|{_H}(?::{_H}){{0,6}}))"
+    r"(?![\w:]|\.\d)"
 )
-_IPV6 = re.compile(rf"(?<![\w:]){_IPV6_BODY}")
+_IPV6 = re.compile(rf"(?<![\w:.]){_IPV6_BODY}")
+#: What every IPv6 address holds: ``::``, or a hex digit on each side of a colon.
+_IPV6_HINT = re.compile(r"::|[0-9a-fA-F]:[0-9a-fA-F]")
 #: An address after its interface, as NCCL prints them (``[1]ib0:fe80::1%ib0<0>``,
 #: ``Using eth0:2001:db8::5<0>``): the colon after the name hid it from :data:`_IPV6`.
 _IPV6_AFTER_INTERFACE = re.compile(rf"(?<![\w:.-])(?P<interface>[A-Za-z][\w.-]{{0,30}}:){_IPV6_BODY}")
@@ -147,7 +163,7 @@ class Redactor:
         #: Host names and MASTER_ADDR, as whole words only (a short host name must not eat
         #: parts of other words).
         self._identities = [
-            (re.compile(rf"(?<![\w.-]){re.escape(name)}(?![\w-])"), mark)
+            (name, re.compile(rf"(?<![\w.-]){re.escape(name)}(?![\w-])"), mark)
             for name, mark in identities
             if len(name) >= 3
         ]
@@ -177,29 +193,39 @@ class Redactor:
         return text
 
     def _pass(self, text: str) -> str:
-        """One pass of every pattern over ``text``."""
+        """One pass of every pattern over ``text``. Each pattern runs in linear time
+        (:mod:`gpudiag.redact_text`); one whose fixed part the text lacks is not run."""
+        text = pem_blocks(text)
         if self._literal is not None:
             text = self._literal.sub(lambda m: self._marks[m.group(0)], text)
-        text = _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{URL_MARK}@", text)
-        text = _BEARER.sub(lambda m: f"{m.group('scheme')} {MARK}", text)
-        text = _TOKENS.sub(MARK, text)
-        text = _GPU_UUID.sub(lambda m: f"{m.group(1)}-<uuid>", text)
-        text = _assignments(text)
+        text = url_credentials(text)
+        if "earer" in text:
+            text = _BEARER.sub(lambda m: f"{m.group('scheme')} {MARK}", text)
+        if any(fixed in text for fixed in _TOKEN_FIXED):
+            text = _TOKENS.sub(MARK, text)
+        if "GPU-" in text or "MIG-" in text:
+            text = _GPU_UUID.sub(lambda m: f"{m.group(1)}-<uuid>", text)
+        text = assignments(text, _secret_name)
         if self.anonymize:
-            for pattern, mark in self._identities:
-                text = pattern.sub(mark, text)
-            text = _IPV4.sub(_address, text)
-            text = _IPV6_AFTER_INTERFACE.sub(lambda m: f"{m.group('interface')}<ip>", text)
-            text = _IPV6.sub("<ip>", text)
-            text = _HOME.sub(lambda m: f"{m.group(1)}<user>", text)
-            if self.user and len(self.user) >= 3:
+            for name, pattern, mark in self._identities:
+                if name in text:
+                    text = pattern.sub(mark, text)
+            if _IPV6_HINT.search(text):
+                text = _IPV6_AFTER_INTERFACE.sub(lambda m: f"{m.group('interface')}<ip>", text)
+                text = _IPV6.sub("<ip>", text)
+            if "." in text:
+                text = _IPV4.sub(_address, text)
+            if "/home/" in text or "/Users/" in text:
+                text = _HOME.sub(lambda m: f"{m.group(1)}<user>", text)
+            if self.user and len(self.user) >= 3 and self.user in text:
                 text = re.sub(rf"\b{re.escape(self.user)}\b", "<user>", text)
         return text
 
     def data(self, value: Any) -> Any:
         """A JSON-like structure with every string (keys included) passed through :meth:`text`;
-        a string under a key that names a secret (``"HF_TOKEN": "…"``) or after an option
-        that does (``["--api-key", "…"]``) gets the marker. Numbers, booleans and null stay."""
+        under a key that names a secret (``"HF_TOKEN": …``) or after an option that does
+        (``["--api-key", …]``) every string and number, at any depth, gets the marker (a
+        list or object keeps its shape). Null stays; so do numbers and booleans elsewhere."""
         return self._walk(value, {})
 
     def _walk(self, value: Any, seen: dict[str, str]) -> Any:
@@ -209,21 +235,23 @@ class Redactor:
                 seen[value] = self.text(value)
             return seen[value]
         if isinstance(value, Mapping):
-            return {
-                self._walk(str(k), seen): MARK
-                if isinstance(v, str) and v and isinstance(k, str) and _is_secret_key(k)
-                else v
-                if isinstance(v, str) and self.anonymize and _is_version(k, v)
-                else self._walk(v, seen)
-                for k, v in value.items()
-            }
+            out = {}
+            for k, v in value.items():
+                key = self._walk(k if isinstance(k, str) else str(k), seen)
+                if isinstance(k, str) and _is_secret_key(k):
+                    out[key] = _hidden(v)
+                elif isinstance(v, str) and self.anonymize and _is_version(k, v):
+                    out[key] = v
+                else:
+                    out[key] = self._walk(v, seen)
+            return out
         if isinstance(value, (list, tuple)):
-            out = []
+            out_list = []
             for i, v in enumerate(value):
                 before = value[i - 1] if i else None
                 secret = isinstance(before, str) and _is_secret_flag(before)
-                out.append(MARK if secret and isinstance(v, str) and v else self._walk(v, seen))
-            return out
+                out_list.append(_hidden(v) if secret else self._walk(v, seen))
+            return out_list
         return value
 
     def bytes(self, data: bytes) -> bytes:
@@ -239,11 +267,28 @@ class Redactor:
         return self.text(text).encode("utf-8", "surrogateescape")
 
 
+def _hidden(value: Any) -> Any:
+    """What a secret-named key's value becomes: the marker for every string, number and
+    boolean in it, at any depth (a key below it too: ``{"<redacted: set 1>": …}``); a list
+    or object keeps its length, null and an empty string stay (nothing was set)."""
+    if value is None or value == "":
+        return value
+    if isinstance(value, Mapping):
+        if len(value) == 1:
+            return {MARK: _hidden(next(iter(value.values())))}
+        return {f"<redacted: set {i}>": _hidden(v) for i, v in enumerate(value.values(), 1)}
+    if isinstance(value, (list, tuple)):
+        return [_hidden(v) for v in value]
+    return MARK
+
+
 def _address(match: re.Match[str]) -> str:
     """``<ip>`` for a dotted quad, unless it is a package's four-part version."""
-    text = match.string
-    if _VERSION_BEFORE.search(text, max(0, match.start() - 80), match.start()):
-        return match.group(0)
+    text, start = match.string, match.start()
+    if start and text[start - 1] in _VERSION_LAST:
+        before = text[max(0, start - 80) : start][::-1]
+        if _VERSION_BEFORE_REVERSED.match(before):
+            return match.group(0)
     return "<ip>"
 
 
@@ -252,15 +297,22 @@ def _is_version(key: Any, value: str) -> bool:
     return isinstance(key, str) and bool(_PACKAGE_NAME.fullmatch(key) and _DOTTED_QUAD.fullmatch(value))
 
 
+#: Keys and options longer than this are not names (nor secret ones): a bound on the work
+#: and on what the caches below keep alive.
+_MAX_NAME = 256
+
+
 @functools.lru_cache(maxsize=4096)
 def _is_secret_key(key: str) -> bool:
-    return bool(_NAME.fullmatch(key)) and is_secret_name(key)
+    return len(key) <= _MAX_NAME and bool(_NAME.fullmatch(key)) and is_secret_name(key)
 
 
 @functools.lru_cache(maxsize=4096)
 def _is_secret_flag(word: str) -> bool:
     """``--api-key``, ``-token``: an option whose value (the next word) is a secret."""
-    return word.startswith("-") and bool(_NAME.fullmatch(word.lstrip("-"))) and is_secret_name(word)
+    if len(word) > _MAX_NAME or not word.startswith("-"):
+        return False
+    return bool(_NAME.fullmatch(word.lstrip("-"))) and is_secret_name(word)
 
 
 def _json_document(data: bytes) -> tuple[Any] | None:
@@ -282,57 +334,18 @@ def _layout(data: bytes) -> tuple[int | None, str]:
 
 #: A variable, key or option name: ``HF_TOKEN``, ``api-key``, ``auth.token``.
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
-#: ``NAME=value`` / ``NAME: value`` / ``export NAME=value`` / ``--name=value`` /
-#: ``"name": "value"`` / ``Authorization: Basic xyz`` for secret-looking names in text. A
-#: quoted value runs to its closing quote (or the line's end when it has none); a bare one
-#: stops at a quote so it cannot run past the end of a quoted string.
-_ASSIGNMENT = re.compile(
-    r"(?<![\w.])(?P<quote>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=quote)(?P<sep>[ \t]*[=:][ \t]*)"
-    r"(?P<value><redacted[^>]*>"
-    r"|(?:[Bb]earer|[Bb]asic|[Tt]oken|Digest)[ \t]+(?:<redacted[^>]*>|[^\s\"']+)"
-    r"|\"[^\"]*\"|'[^']*'|\"[^\"\n]*|'[^'\n]*"
-    # a bare value: right after = or :, anything; after blanks, not an option (PASSWORD= --token x)
-    r"|(?<![ \t])[^\s\"']+|(?!-)[^\s\"']+)"
-)
-#: ``--name value`` on a command line, for secret-looking option names.
-_FLAG = re.compile(
-    r"(?<![\w-])(?P<flag>--?[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value><redacted[^>]*>|[^\s\"'<-][^\s\"']*)"
-)
 #: Passes of :meth:`Redactor.text` at most (two suffice for every input seen).
 _MAX_PASSES = 4
 
 
-def _assignments(text: str) -> str:
-    """Values of secret-named assignments and options replaced by the marker (a quoted
-    value keeps its quotes). A name that is not secret does not hide what follows it: the
-    scan goes on after the name, so ``cfg: HF_TOKEN=…`` and ``x="MY_TOKEN=…"`` are caught."""
-    out: list[str] = []
-    done = pos = 0
-    while (match := _ASSIGNMENT.search(text, pos)) is not None:
-        value = match.group("value")
-        nested = _ASSIGNMENT.match(text, match.start("value"))
-        if not _secret_name(match.group("name")) or (nested and _secret_name(nested.group("name"))):
-            pos = match.end("name")  # not secret, or a label before the real one (``secret: token: x``)
-            continue
-        pos = match.end()
-        if "<redacted" in value:
-            continue
-        quote = value[0] if value[0] in "\"'" else ""
-        closed = quote if len(value) > 1 and value.endswith(quote) else ""
-        out += [text[done : match.start("value")], f"{quote}{MARK}{closed}"]
-        done = pos
-    text = "".join(out) + text[done:]
-
-    def flag(match: re.Match[str]) -> str:
-        if not _secret_name(match.group("flag")) or "<redacted" in match.group("value"):
-            return match.group(0)
-        return f"{match.group('flag')}{match.group('sep')}{MARK}"
-
-    return _FLAG.sub(flag, text)
+def _secret_name(name: str) -> bool:
+    """:func:`is_secret_name`, remembered for names of at most :data:`_MAX_NAME` characters
+    (a longer one is judged each time, and never kept)."""
+    return _secret_short_name(name) if len(name) <= _MAX_NAME else is_secret_name(name)
 
 
 @functools.lru_cache(maxsize=4096)
-def _secret_name(name: str) -> bool:
+def _secret_short_name(name: str) -> bool:
     return is_secret_name(name)
 
 

@@ -266,13 +266,14 @@ def _trace(run: CheckRun) -> bytes | None:
 def bundle_files(report: Report) -> dict[str, bytes]:
     """Every file of the bundle by its path inside it, not yet redacted."""
     from gpudiag.hw.machine import to_json as machine_json
+    from gpudiag.render import printable
     from gpudiag.render.report_markdown import report_markdown
     from gpudiag.repro.scripts import repro_script
 
     files = {"report.json": (json.dumps(report.to_json(), indent=2) + "\n").encode()}
-    files["REPORT.md"] = report_markdown(report).encode()
+    files["REPORT.md"] = printable(report_markdown(report)).encode()
     if report.reproducible:
-        files["repro.py"] = repro_script(report.reproducible).encode()
+        files["repro.py"] = repro_script(report.reproducible).encode("utf-8", "backslashreplace")
     if report.here.machine is not None:
         document = machine_json(report.here.machine, f"the machine of {report.here.machine_source}")
         files[MACHINE_FILE] = (json.dumps(document, indent=1) + "\n").encode()
@@ -318,7 +319,7 @@ def write_bundle(
     from gpudiag.render.pictures import bundle_pictures
 
     target = check_destination(path, force)
-    files = {name: redactor.bytes(data) for name, data in bundle_files(report).items()}
+    files = {_encodable(name): redactor.bytes(data) for name, data in bundle_files(report).items()}
     # <check>.svg and REPORT.html (issue 47), drawn from the redacted report (escaped into HTML
     # a secret could pass the redactor unseen) and redacted again
     drawn = bundle_pictures(json.loads(files["report.json"]), files["REPORT.md"].decode("utf-8", "replace"))
@@ -331,6 +332,16 @@ def write_bundle(
                 archive.writestr(_zip_info(name, name == "repro.py"), data)
         return target
     return write_folder(target, files, executable=frozenset({"repro.py"}))
+
+
+def _encodable(name: str) -> str:
+    """A bundle path every file system and zip can hold: one that UTF-8 cannot encode (a
+    lone surrogate from a log's undecodable file name) with those characters escaped."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+    return name
 
 
 def _zip_info(name: str, executable: bool) -> zipfile.ZipInfo:

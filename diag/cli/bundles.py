@@ -84,10 +84,19 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
         },
         nccl_logs=nccl_logs,
     )
+    redactor = Redactor(anonymize=options["anonymize"])
     if bundle:
-        redactor = Redactor(anonymize=options["anonymize"])
         report.bundle_path = str(write_bundle(report, output, redactor=redactor, force=options["force"]))
-    render(kind, report, options["fmt"], sys.stdout)
+    if sys.stdout.isatty() and options["fmt"] == "text":  # (the user's own terminal, in colour)
+        render(kind, report, options["fmt"], sys.stdout)
+    else:  # (a pipe, a CI log: what is printed is redacted as the bundle is)
+        import io
+
+        printed = io.StringIO()
+        render(kind, report, options["fmt"], printed)
+        sys.stdout.write(
+            redactor.bytes(printed.getvalue().encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
+        )
     return report
 
 

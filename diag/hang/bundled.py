@@ -29,6 +29,7 @@ from typing import Any
 from gpudiag.errors import InputError
 from gpudiag.hang.reader import dump_files, dumps_in, load_tree, parse_dump, rank_of
 from gpudiag.hang.result import MAX_STACKS_BYTES, HangResult, judge
+from gpudiag.render.jsonout import TooLarge, dumps_bounded
 from gpudiag.unpickle import check_tree
 
 #: The folder inside the bundle.
@@ -41,28 +42,6 @@ _STACKS = re.compile(r"rank(\d{1,7})\.json")
 #: Most objects one dump's tree may hold when written out, a shared object once per
 #: reference (JSON repeats it): 20,000 entries of 64 frames (7 objects a frame) and more.
 MAX_NODES = 16_000_000
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON can hold it: keys as text (a tuple, bytes or frozenset key of a
-    hostile dump too), numbers past 2**63 as text (``json`` cannot print past 4,300
-    digits), bytes as their repr. The tree is checked first: depth, size and text bounded."""
-    if isinstance(value, dict):
-        return {_key(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
-        return value
-    if isinstance(value, int):
-        return value if -(2**63) < value < 2**63 else "(a number past 2**63)"
-    return repr(value)[:4096] if isinstance(value, bytes) else str(type(value).__name__)
-
-
-def _key(key: Any) -> str:
-    if isinstance(key, str):
-        return key
-    plain = _plain(key)
-    return plain if isinstance(plain, str) else json.dumps(plain)
 
 
 def _regular(path: Path, limit: int) -> bytes | None:
@@ -103,9 +82,12 @@ def collect(folder: str) -> dict[str, bytes]:
         parse_dump(tree, path, rank)  # (what gpudiag hang could not read is refused here)
         # written whole, a shared string or frame once per reference: bounded before it is
         check_tree(tree, str(path), "flight-recorder dump", max_text=MAX_BYTES, max_nodes=MAX_NODES)
-        data = _json_within(_plain(tree), MAX_DUMP_BYTES)
-        if data is None:
-            raise _too_large(folder, f"{path.name} is more than {MAX_DUMP_BYTES} bytes as JSON")
+        try:  # (its size counted as it is written: a pickle's memo cannot make gigabytes)
+            data = dumps_bounded(tree, MAX_DUMP_BYTES)
+        except TooLarge:
+            raise _too_large(folder, f"{path.name} is more than {MAX_DUMP_BYTES} bytes as JSON") from None
+        except ValueError as exc:
+            raise InputError(f"{path}: cannot be written as JSON ({exc})") from None
         total += len(data)
         if total > MAX_BYTES:
             raise _too_large(folder, "its dumps hold more together")
@@ -123,19 +105,6 @@ def collect(folder: str) -> dict[str, bytes]:
     if verdict is not None and isinstance(_json(verdict), dict):
         files[f"{FOLDER}/verdict.json"] = verdict
     return files
-
-
-def _json_within(tree: Any, limit: int) -> bytes | None:
-    """``tree`` as one line of JSON (ASCII: every other character escaped), or None as soon
-    as it passes ``limit`` bytes — the size is checked as it is written, not after."""
-    parts: list[str] = []
-    size = 0
-    for chunk in json.JSONEncoder().iterencode(tree):
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
-    return ("".join(parts) + "\n").encode()
 
 
 def _json(data: bytes) -> Any:

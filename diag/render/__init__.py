@@ -12,7 +12,46 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Any, TextIO
+
+#: Characters no output shows as they are: C0 controls but tab and newline (ESC starts a
+#: terminal's escape sequences: colours, a cleared screen, a title, the clipboard), DEL,
+#: C1 controls, Unicode's bidirectional overrides and isolates (text shown reordered), and
+#: lone surrogates (a file name's undecodable bytes: no stream can encode them).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character (:data:`_CONTROL`) written as its escape
+    (``\\x1b``, ``\\u202e``): what a dump, a log or a file name holds reaches a terminal, a
+    Markdown file or a pipe as text, never as a command to the terminal."""
+    return _CONTROL.sub(_escaped, text) if _CONTROL.search(text) else text
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group(0))
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+class PrintableStream:
+    """A text stream that writes through :func:`printable` (a renderer's output as a whole)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(printable(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
 
 FORMATS: dict[str, tuple[str, ...]] = {
     "topology": ("text", "json", "markdown", "dot"),
@@ -76,7 +115,16 @@ def render(kind: str, result: Any, fmt: str, stream: TextIO) -> None:
     if not first_rank():
         return
     module, function = ELSEWHERE.get((kind, fmt), (_MODULES[fmt], kind))
+    if not (fmt == "text" and _colour(stream)):  # (rich's own styles are escape sequences)
+        stream = PrintableStream(stream)  # type: ignore[assignment]
     getattr(importlib.import_module(f"gpudiag.render.{module}"), function)(result, stream)
+
+
+def _colour(stream: TextIO) -> bool:
+    """Whether text output to ``stream`` is coloured (:class:`gpudiag.render.text.text_console`):
+    then its control characters are escaped by the console itself, piece by piece."""
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return not os.environ.get("NO_COLOR") and (tty or bool(os.environ.get("FORCE_COLOR")))
 
 
 def first_rank() -> bool:

@@ -31,6 +31,28 @@ SOURCE_NAME = {
 PIPED_WIDTH = 10_000
 
 
+def _console_class() -> Any:
+    """rich's Console, writing the text it is given through :func:`gpudiag.render.printable`
+    (a control character in a dump or log shown escaped, never sent to the terminal) while its
+    own styles and control segments pass. The hook, ``Console._render_buffer``, is rich's
+    private method (rich 13–14): where it is missing, the plain Console (render() then escapes
+    the piped output as a whole)."""
+    from rich.console import Console
+    from rich.segment import Segment
+
+    from gpudiag.render import printable
+
+    if not hasattr(Console, "_render_buffer"):
+        return Console
+
+    class PrintableConsole(Console):
+        def _render_buffer(self, buffer: Any) -> str:
+            safe = (s if s.control else Segment(printable(s.text), s.style, s.control) for s in buffer)
+            return super()._render_buffer(safe)
+
+    return PrintableConsole
+
+
 class text_console:
     """A rich console for ``stream``: colour and the terminal's width on a terminal;
     when piped, plain text with nothing cut or wrapped (:data:`PIPED_WIDTH`) and
@@ -39,14 +61,12 @@ class text_console:
     piped (https://no-color.org, https://force-color.org); NO_COLOR wins."""
 
     def __init__(self, stream: TextIO):
-        from rich.console import Console
-
         self.stream = stream
         self.is_tty = hasattr(stream, "isatty") and stream.isatty()
         no_color = bool(os.environ.get("NO_COLOR"))
         colour = not no_color and (self.is_tty or bool(os.environ.get("FORCE_COLOR")))
         self.buffer = io.StringIO()
-        self.console = Console(
+        self.console = _console_class()(
             file=stream if self.is_tty else self.buffer,
             force_terminal=self.is_tty or colour,
             no_color=not colour,

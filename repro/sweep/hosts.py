@@ -13,6 +13,14 @@ from collections.abc import Mapping
 from gpudiag.errors import InputError
 
 _MAX_HOSTS = 100_000
+#: The longest node list read (Slurm's own are kilobytes) and the most characters of host
+#: names it may expand to: the work a list can cause is bounded before it is done.
+_MAX_LIST_CHARS = 1 << 20
+_MAX_HOST_CHARS = 16 << 20
+#: Bracket groups in one item at most (Slurm writes one or two: ``rack[1-2]-node[01-16]``).
+_MAX_GROUPS = 16
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
+_RANGE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
 
 
 def _split_top(text: str) -> list[str]:
@@ -24,41 +32,66 @@ def _split_top(text: str) -> list[str]:
         elif ch == "]":
             depth -= 1
             if depth < 0:
-                raise InputError(f"node list {text!r}: unbalanced ']'")
+                raise InputError(f"node list {_short(text)}: unbalanced ']'")
         elif ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     if depth:
-        raise InputError(f"node list {text!r}: unbalanced '['")
+        raise InputError(f"node list {_short(text)}: unbalanced '['")
     parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
 
 
 def _expand_one(item: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", item)
-    if match is None:
-        return [item]
-    head, tail = item[: match.start()], item[match.end() :]
+    """The hosts one item names: each bracket group expanded, left to right (a product),
+    never more than :data:`_MAX_HOSTS` of them or :data:`_MAX_HOST_CHARS` characters."""
+    hosts = [""]
+    pos = 0
+    for count, match in enumerate(_BRACKETS.finditer(item)):
+        if count >= _MAX_GROUPS:
+            raise InputError(f"node list item {_short(item)}: more than {_MAX_GROUPS} bracket groups")
+        numbers = _numbers(item, match.group(1))
+        text = item[pos : match.start()]
+        if len(hosts) * len(numbers) > _MAX_HOSTS:
+            raise InputError(f"node list item {_short(item)}: more than {_MAX_HOSTS} hosts")
+        hosts = [f"{h}{text}{n}" for h in hosts for n in numbers]
+        pos = match.end()
+        if sum(map(len, hosts)) > _MAX_HOST_CHARS:
+            raise InputError(
+                f"node list item {_short(item)}: more than {_MAX_HOST_CHARS >> 20} MiB of host names"
+            )
+    tail = item[pos:]
+    return [f"{h}{tail}" for h in hosts]
+
+
+def _numbers(item: str, ranges: str) -> list[str]:
+    """The numbers of one bracket group (``01-03,07`` → 01 02 03 07), zero padding kept."""
     out: list[str] = []
-    for piece in match.group(1).split(","):
+    for piece in ranges.split(","):
         piece = piece.strip()
-        bounds = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", piece)
+        bounds = _RANGE.fullmatch(piece)
         if bounds is None:
-            raise InputError(f"node list item {item!r}: bad range {piece!r} (expected N or N-M)")
+            raise InputError(f"node list item {_short(item)}: bad range {_short(piece)} (expected N or N-M)")
         lo, hi = bounds.group(1), bounds.group(2) or bounds.group(1)
         if int(hi) < int(lo):
-            raise InputError(f"node list item {item!r}: range {piece!r} runs backwards")
-        if int(hi) - int(lo) > _MAX_HOSTS:
-            raise InputError(f"node list item {item!r}: more than {_MAX_HOSTS} hosts")
+            raise InputError(f"node list item {_short(item)}: range {piece!r} runs backwards")
+        if int(hi) - int(lo) + len(out) >= _MAX_HOSTS:
+            raise InputError(f"node list item {_short(item)}: more than {_MAX_HOSTS} hosts")
         width = len(lo) if lo.startswith("0") else 0
-        for n in range(int(lo), int(hi) + 1):
-            out += _expand_one(f"{head}{n:0{width}d}{tail}")  # (a second bracket group)
+        out += [f"{n:0{width}d}" for n in range(int(lo), int(hi) + 1)]
     return out
+
+
+def _short(text: str) -> str:
+    """``text`` quoted for an error line, cut to 80 characters."""
+    return repr(text) if len(text) <= 80 else repr(text[:77] + "...")
 
 
 def expand_nodelist(text: str) -> list[str]:
     """Slurm's compressed host list → host names, in order, each once. Host names are
     case-insensitive (DNS): ``node1,NODE1`` is one host, kept as first spelt."""
+    if len(text) > _MAX_LIST_CHARS:
+        raise InputError(f"node list of {len(text)} characters: longer than {_MAX_LIST_CHARS >> 20} MiB")
     hosts: list[str] = []
     for item in _split_top(text):
         hosts += _expand_one(item)

@@ -1,20 +1,33 @@
 """The sweep's output folder: refused before anything runs when gpudiag may not write it
 (:func:`check_output`, :func:`not_a_sweep`), and rank 0's answer passed to every rank
-(:func:`agree_on_output`) so all nodes refuse together.
+(:func:`agree_on_output`) so all nodes refuse together; and each node's record left in the
+same store once its own phase is done (:func:`post_record`), so rank 0 has the record of
+every node still alive even when the group never forms or fails before the gather
+(:func:`posted_records`): a node killed early is the one named missing, never a live one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.node import Identity, SweepOptions
 from gpudiag.repro.sweep.results import RUN
 
-__all__ = ["REFUSAL_WAIT_S", "agree_on_output", "check_output", "not_a_sweep"]
+__all__ = [
+    "REFUSAL_WAIT_S",
+    "agree_on_output",
+    "check_output",
+    "not_a_sweep",
+    "post_record",
+    "posted_records",
+]
 
 
 def check_output(options: SweepOptions) -> Path:
@@ -72,16 +85,8 @@ def agree_on_output(
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT", "").isdigit():
         return
     try:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            env.get("MASTER_ADDR", "127.0.0.1"),
-            int(env["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        prefix = f"gpudiag-sweep-output/{run}/"
+        store = _agent_store(env, timeout)
+        prefix = f"gpudiag-sweep-output/{_run_key(env)}/"
         key = prefix + "answer"
         if ident.rank == 0:
             store.set(key, "ok" if refusal is None else f"refused {refusal}")
@@ -98,3 +103,47 @@ def agree_on_output(
         return
     if answer.startswith("refused "):
         raise InputError(f"rank 0 refused the output folder: {answer.removeprefix('refused ')}")
+
+
+def _agent_store(env: Mapping[str, str], timeout: float) -> Any:
+    """A client of torchrun's agent store (``MASTER_ADDR:MASTER_PORT``); raises when there
+    is none (``TORCHELASTIC_USE_AGENT_STORE`` unset: another launcher) or it cannot be reached."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT", "").isdigit():
+        raise RuntimeError("no torchrun agent store")
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        env.get("MASTER_ADDR", "127.0.0.1"),
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def _run_key(env: Mapping[str, str]) -> str:
+    """This run among the store's keys (torchrun's run id and restart count)."""
+    return f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def post_record(ident: Identity, record: Mapping[str, Any], env: Mapping[str, str], timeout: float) -> None:
+    """Leave this node's record in torchrun's agent store, before it joins the group
+    (best effort: without the store, the group's own collectives carry it as before)."""
+    with contextlib.suppress(Exception):
+        _agent_store(env, timeout).set(
+            f"gpudiag-sweep-records/{_run_key(env)}/{ident.node}", json.dumps(record)
+        )
+
+
+def posted_records(nodes: int, env: Mapping[str, str], timeout: float) -> dict[int, str]:
+    """The records nodes left with :func:`post_record`, by node number (never waits for one
+    that is not there: a node that never posted one died or never finished its own phase)."""
+    found: dict[int, str] = {}
+    with contextlib.suppress(Exception):
+        store = _agent_store(env, timeout)
+        prefix = f"gpudiag-sweep-records/{_run_key(env)}/"
+        for number in range(nodes):
+            key = f"{prefix}{number}"
+            with contextlib.suppress(Exception):
+                if store.check([key]):
+                    found[number] = store.get(key).decode()
+    return found

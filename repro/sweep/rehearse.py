@@ -38,11 +38,13 @@ LOOSE_RULES = {
 
 @dataclass
 class Node:
-    """One rehearsed node: its host name, machine file and extra ``gpudiag sweep`` options."""
+    """One rehearsed node: its host name, machine file, extra ``gpudiag sweep`` options and
+    extra environment variables (its torchrun's and so its ranks')."""
 
     host: str
     machine: str
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +105,7 @@ def rehearse(
                 *node.args,
             ]
             env = {**os.environ, "GPUDIAG_HOSTNAME": node.host, "OMP_NUM_THREADS": "1", "TMPDIR": scratch}
+            env.update(node.env)
             log = folder / f".rehearse-{os.getpid()}-{index}.log"
             logs.append(log)
             with open(log, "wb") as out:

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
-from gpudiag.fileio import read_bounded
+from gpudiag.fileio import open_regular, read_bounded
+from gpudiag.render import printable
 from gpudiag.repro.sweep.judge import HEALTHY, NO_RESULT, FleetVerdict
 from gpudiag.repro.sweep.links import pair_rounds
 from gpudiag.repro.sweep.rules import FIGURES, check_rules, parse_json
@@ -149,12 +151,12 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     """The records of a ``results.jsonl`` (blank lines skipped)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_RESULTS_BYTES:
-            raise InputError(f"{path}: {size} bytes, more than a sweep writes")
-        records = []
-        with path.open("rb") as f:
-            for number, line in enumerate(f, 1):
+        with open_regular(path, "sweep file") as f:  # (a FIFO or /dev/zero refused unread)
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_RESULTS_BYTES:
+                raise InputError(f"{path}: {size} bytes, more than a sweep writes")
+            records = []
+            for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
                 if len(line) > MAX_LINE_BYTES:
                     raise InputError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
                 if not line.strip():
@@ -315,7 +317,7 @@ def summary_markdown(
     notes += list(run.get("notes") or [])
     if notes:
         out += ["", "## Notes", ""] + [f"- {_cell(n)}" for n in notes]
-    return "\n".join(out) + "\n"
+    return printable("\n".join(out) + "\n")
 
 
 def summary_text(verdict: FleetVerdict) -> str:
@@ -336,4 +338,4 @@ def summary_text(verdict: FleetVerdict) -> str:
     if healthy:
         shown = ", ".join(healthy[:10]) + (f" and {len(healthy) - 10} more" if len(healthy) > 10 else "")
         lines.append(f"  healthy: {shown}")
-    return "\n".join(lines) + "\n"
+    return printable("\n".join(lines) + "\n")

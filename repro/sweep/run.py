@@ -54,7 +54,7 @@ from gpudiag.repro.sweep.flight import FLIGHT_RECORDER_NCCL as FLIGHT_RECORDER_N
 from gpudiag.repro.sweep.hosts import expected_hosts
 from gpudiag.repro.sweep.judge import FleetVerdict, judge
 from gpudiag.repro.sweep.node import LOCAL_CHECKS, Identity, Local, SweepOptions, local_phase
-from gpudiag.repro.sweep.output import agree_on_output, check_output, not_a_sweep
+from gpudiag.repro.sweep.output import agree_on_output, check_output, not_a_sweep, post_record, posted_records
 from gpudiag.repro.sweep.results import (
     NODES,
     RESULTS,
@@ -225,9 +225,16 @@ def _run(
     if not ident.torchrun:  # a fleet of one: nothing between nodes
         out.notes.append("not under torchrun: a fleet of one node (no between-node tests to compare with)")
     else:
+        if local is not None:  # (rank 0 reads it there if the group never forms or fails early)
+            post_record(ident, local.record, os.environ, options.phase_timeout)
         _between(options, ident, backend, local, out, scratch, budget)
     if ident.rank != 0:
         return SweepRun(None, [], {}, None, ident)
+    if ident.torchrun and len(out.records) < ident.nodes:  # a node lost: the others' records still count
+        for number, posted in posted_records(ident.nodes, os.environ, options.phase_timeout).items():
+            if number not in out.records:
+                with contextlib.suppress(InputError, ValueError, KeyError, TypeError):
+                    out.records[number] = check_record(json.loads(posted), f"node {number}")
     if local is not None and ident.host not in out.bundles:  # (alone, or the gather failed)
         files = _node_files(out, ident, scratch)
         out.bundles[ident.host] = _bundle_bytes(local.report, files, options.anonymize)

@@ -66,9 +66,30 @@ def test_installing_gpudiag_keeps_the_torch_this_environment_has(tmp_path: Any) 
     import sys
 
     report = tmp_path / "pip-report.json"
-    argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--quiet"]
+    argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet"]
+    if _builds_wheels_here():  # (else pip fetches setuptools into an isolated build: network)
+        argv.append("--no-build-isolation")
     argv += ["--disable-pip-version-check", "--report", str(report), str(ROOT)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     installs = [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]
     assert installs == ["gpudiag"], installs
+
+
+def _builds_wheels_here() -> bool:
+    """Whether this environment's setuptools can build gpudiag's wheel: 70.1 and newer have
+    bdist_wheel built in, older ones need the ``wheel`` package beside them (a plain venv of
+    Python 3.11 has setuptools 65 and no ``wheel``)."""
+    from importlib import metadata
+
+    try:
+        version = tuple(int(p) for p in metadata.version("setuptools").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    if version >= (70, 1):
+        return True
+    try:
+        metadata.version("wheel")
+    except metadata.PackageNotFoundError:
+        return False
+    return True

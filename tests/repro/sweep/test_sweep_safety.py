@@ -419,3 +419,44 @@ def test_a_signal_is_honoured_within_seconds_even_inside_a_cpp_wait(tmp_path: Pa
     assert err.strip().splitlines()[-1] == f"gpudiag: interrupted by SIG{sig}; stopped", err
     assert [p.name for p in scratch.iterdir()] == []
     assert session_processes(proc.pid) == [], "rank processes left behind"
+
+
+def test_the_sweep_summary_escapes_what_a_node_said_about_itself() -> None:
+    """Issue 44: a node's host name and check headlines are whatever it reported; a
+    terminal escape in them is written escaped in SUMMARY.md and the terminal's summary."""
+    from gpudiag.repro.sweep.judge import judge
+    from gpudiag.repro.sweep.results import summary_markdown, summary_text
+
+    hostile = "\x1b[2J\x1b]52;c;ZXZpbA==\x07\u202e"
+    bad = node(1, host=f"node1{hostile}", topology_digest="other")
+    records = [node(0), bad, node(2)]
+    verdict = judge(records)
+    for text in (
+        summary_markdown(verdict, records, {"command": ["gpudiag", "sweep", hostile]}),
+        summary_text(verdict),
+    ):
+        assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
+        assert "node1\\x1b[2J" in text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_results_jsonl_that_is_a_fifo_or_a_device_is_refused_unread(tmp_path: Path, kind: str) -> None:
+    """Issue 44: read_results opened results.jsonl as it was (the folder's check came
+    before, so a file swapped in meanwhile, or a path given directly, was read): a FIFO
+    blocked for ever, /dev/zero (no newline) was one line growing without bound. In a
+    child with a deadline."""
+    source = "/dev/zero"
+    if kind == "fifo":
+        source = str(tmp_path / "results.jsonl")
+        os.mkfifo(source)
+    code = (
+        "import sys\n"
+        "from gpudiag.errors import InputError\n"
+        "from gpudiag.repro.sweep.results import read_results\n"
+        "try:\n"
+        f"    read_results({source!r})\n"
+        "except InputError as exc:\n"
+        "    print(exc)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "not a file; refused unread" in run.stdout, (run.stdout, run.stderr)

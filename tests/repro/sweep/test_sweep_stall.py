@@ -38,3 +38,51 @@ def test_a_stall_is_recorded_as_a_rehearsal() -> None:
     options = SweepOptions(quick=True, checks=("topology",), stall="allreduce-all", inject=("0->1:bitflip",))
     record = local_phase(options, ident, "gloo").record
     assert record["injected"] == ["0->1:bitflip", "stall allreduce-all"]
+
+
+#: A node's worker that kills its whole node (its torchrun and itself: the process group
+#: rehearse gives each node) half a second after it starts: before its own checks end, so
+#: before any record of it can be gathered (issue 44: a live, healthy node was named instead).
+KILLER = """\
+import os, signal, threading
+if os.environ.get("RANK") is not None and os.environ.get("GPUDIAG_REHEARSE_KILL") == "1":
+    threading.Timer(0.5, lambda: os.killpg(0, signal.SIGKILL)).start()
+"""
+
+
+@pytest.mark.slow
+def test_a_node_killed_before_the_records_are_gathered_is_named_missing_and_nobody_else(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from gpudiag.repro.sweep.rehearse import LOOSE_RULES, Node, rehearse
+    from gpudiag.repro.sweep.run import rejudge
+    from tests.helpers import SEED_MACHINE
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILLER)
+    rules = tmp_path / "loose.json"
+    rules.write_text(json.dumps(LOOSE_RULES))
+    killed = {"PYTHONPATH": str(hook), "GPUDIAG_REHEARSE_KILL": "1"}
+    m = str(SEED_MACHINE)
+    nodes = [Node("node0", m), Node("node1", m), Node("node2", m, env=killed)]
+    common = [
+        "--quick",
+        "--rules",
+        str(rules),
+        "--checks",
+        "env",
+        "--timeout",
+        "8",
+        "--expect-hosts",
+        "node[0-2]",
+    ]
+    finished = rehearse(nodes, tmp_path / "sweep", common, deadline=150)
+    assert finished[0].returncode == 1, finished[0].output[-3000:]
+    verdict, _ = rejudge(str(tmp_path / "sweep"))
+    named = {v.host: [p.code for p in v.problems] for v in verdict.named}
+    assert named == {"node2": ["node-missing"]}, (tmp_path / "sweep" / "SUMMARY.md").read_text()
+    records = [json.loads(line) for line in (tmp_path / "sweep" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["host"] for r in records) == ["node0", "node1"]
