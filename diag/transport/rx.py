@@ -52,7 +52,7 @@ def without_possessive(pattern: AnyStr) -> AnyStr:
         out.append(char)
         i += 1
     result = "".join(out)
-    return result.encode("latin-1") if isinstance(pattern, bytes) else result  # type: ignore[return-value]
+    return result.encode("latin-1") if isinstance(pattern, bytes) else result
 
 
 def compile(pattern: AnyStr, flags: int = 0) -> re.Pattern[AnyStr]:
