@@ -151,14 +151,28 @@ def test_run_options_are_no_prefix_of_torchruns_own() -> None:
     parser = get_args_parser()
     theirs = [o for action in parser._actions for o in action.option_strings]
     ours = [o for p in cli.commands["run"].params for o in getattr(p, "opts", []) if o.startswith("-")]
-    assert ours == ["--stall", "-o"]
+    assert ours == ["--stall", "--confirm", "-o"]
     for option in ours:
         assert not [o for o in theirs if o.startswith(option)], option
     args = parser.parse_args(
-        ["--nproc-per-node", "3", "-m", "gpudiag", "run", "--stall", "5", "-o", "d", "t.py", "-x"]
+        [
+            "--nproc-per-node",
+            "3",
+            "-m",
+            "gpudiag",
+            "run",
+            "--stall",
+            "5",
+            "--confirm",
+            "1",
+            "-o",
+            "d",
+            "t.py",
+            "-x",
+        ]
     )
     assert args.module and args.training_script == "gpudiag"
-    assert args.training_script_args == ["run", "--stall", "5", "-o", "d", "t.py", "-x"]
+    assert args.training_script_args == ["run", "--stall", "5", "--confirm", "1", "-o", "d", "t.py", "-x"]
 
 
 def test_a_missing_script_is_one_line_and_exit_2(tmp_path: Path) -> None:
