@@ -271,8 +271,11 @@ class Watchdog(threading.Thread):
             import torch.distributed as dist
         except Exception:
             return
+        tried = False
         while not self.stopping.wait(self.poll_s):
             try:
+                if self.store is None and not tried:  # (at once: a rank may soon stop answering)
+                    tried, self.store = True, self._connect()
                 if self.backend is None:
                     if not dist.is_available() or not dist.is_initialized():
                         continue
