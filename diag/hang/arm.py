@@ -150,6 +150,7 @@ def start(watchdog: Watchdog) -> Watchdog:
     if not _ARMED:
         atexit.register(_stop_all)
     _ARMED.add(watchdog)
+    watchdog.connect_now()
     watchdog.start()
     return watchdog
 

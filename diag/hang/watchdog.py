@@ -178,6 +178,14 @@ class Watchdog(threading.Thread):
         store.set(f"{_PID}{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         return store
 
+    def connect_now(self) -> None:
+        """Join the job's store now, from the starting thread, when torchrun's agent holds
+        it (``TORCHELASTIC_USE_AGENT_STORE``): the rank's pid is known to the others even
+        if its Python threads soon stop running (native code holding the GIL)."""
+        if self.store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            with contextlib.suppress(Exception):
+                self.store = self._connect()
+
     def _open_round(self) -> tuple[int, bool]:
         """(the current confirmation round, whether someone leads it)."""
         r = int(self.store.add(_RESOLVED, 0))

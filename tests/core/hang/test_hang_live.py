@@ -278,9 +278,9 @@ def test_a_hung_jobs_children_end_with_it_and_a_planted_link_is_not_written_thro
     -o was written through to a file outside the folder."""
     (tmp_path / "hang").mkdir()
     (tmp_path / "hang" / "fr_rank0.pkl").symlink_to(tmp_path / "elsewhere.pkl")
-    done, _ = _job(tmp_path, CHILDREN, 2, "--stall", "2", "--confirm", "1", "-o", "hang")
+    done, _ = _job(tmp_path, CHILDREN, 3, "--stall", "2", "--confirm", "1", "-o", "hang")
     assert done.returncode != 0 and "rank 1 called barrier" in done.stderr, done.stderr[-3000:]
-    pids = [int(p) for r in range(2) for p in (tmp_path / f"pids{r}").read_text().split()]
+    pids = [int(p) for r in range(3) for p in (tmp_path / f"pids{r}").read_text().split()]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
