@@ -185,3 +185,76 @@ def not_answering(rank: int, pid: int, host: str, here: str, alive_: bool | None
             f"the GIL held or native code; py-spy dump --native --pid {pid} shows where"
         )
     return f"rank {rank} is gone (pid {pid} has ended)"
+
+
+def pending_for(record: dict[str, Any], now_ns: int) -> float:
+    """Seconds the oldest collective still pending in a JSON flight record has waited (0: none)."""
+    entry = oldest_pending(record)
+    return (now_ns - entry["time_created_ns"]) / 1e9 if entry else 0.0
+
+
+def oldest_pending(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The oldest entry of a JSON flight record still pending (not completed, not retired)."""
+    oldest = None
+    for e in record.get("entries") or ():
+        if not isinstance(e, dict) or e.get("state") == "completed" or e.get("retired") is True:
+            continue
+        created = e.get("time_created_ns")
+        if (
+            isinstance(created, int)
+            and created > 0
+            and (oldest is None or created < oldest["time_created_ns"])
+        ):
+            oldest = e
+    return oldest
+
+
+def load_record(raw: Any) -> dict[str, Any]:
+    """A JSON flight record's dict (``{}`` when it is no object)."""
+    record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return record if isinstance(record, dict) else {}
+
+
+def progress(record: dict[str, Any]) -> tuple[tuple[tuple[str, str, str], ...], bool]:
+    """(each group's last enqueued and completed sequence numbers, whether a group has one
+    enqueued past its last completed) from ``pg_status``: reading it costs microseconds,
+    the entries about 80 ms for 2,000 (so they are read only once nothing has moved for
+    the stall limit; gloo's last completed number can lag, so the entries decide)."""
+    key, busy = [], False
+    status = record.get("pg_status")
+    for group, value in sorted(status.items()) if isinstance(status, dict) else ():
+        if not isinstance(value, dict):
+            continue
+        enqueued, completed = value.get("last_enqueued_collective"), value.get("last_completed_collective")
+        key.append((str(group), str(enqueued), str(completed)))
+        try:
+            busy = busy or int(enqueued) > int(completed)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            busy = True
+    return tuple(key), busy
+
+
+def entry_op(entry: dict[str, Any], line: str | None) -> Op:
+    """The :class:`Op` of a JSON flight-record entry."""
+    group = entry.get("process_group")
+    desc = group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else str(group or "")
+    seq = entry.get("collective_seq_id")
+    created = entry.get("time_created_ns")
+    return Op(
+        "collective",
+        op_name(entry.get("profiling_name")),
+        str(desc),
+        seq if isinstance(seq, int) else 0,
+        created / 1e9 if isinstance(created, int) else time.time(),
+        line,
+    )
+
+
+def thread_stacks() -> dict[str, list[dict[str, Any]]]:
+    """Every thread's Python stack, innermost frame first (the flight recorder's order)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        frames = [{"filename": f.file, "line": f.line, "name": f.name} for f in stack_frames(frame)]
+        out[names.get(ident, str(ident))] = frames
+    return out

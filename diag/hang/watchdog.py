@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.hang import live, procs
-from gpudiag.hang.live import Op, State
+from gpudiag.hang.live import Op, State, entry_op, oldest_pending, progress, thread_stacks
+from gpudiag.hang.live import load_record as _load
 
 #: Store keys, under the job's run id.
 _ALARM = "gpudiag/hang/alarm"
@@ -58,78 +59,6 @@ EARLY_WAIT_S = 5.0
 def confirm_window(stall_s: float) -> float:
     """Seconds a suspected stall must hold before the job is ended: ``max(10, stall_s / 2)``."""
     return max(10.0, stall_s / 2)
-
-
-def pending_for(record: dict[str, Any], now_ns: int) -> float:
-    """Seconds the oldest collective still pending in a JSON flight record has waited (0: none)."""
-    entry = oldest_pending(record)
-    return (now_ns - entry["time_created_ns"]) / 1e9 if entry else 0.0
-
-
-def oldest_pending(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The oldest entry of a JSON flight record still pending (not completed, not retired)."""
-    oldest = None
-    for e in record.get("entries") or ():
-        if not isinstance(e, dict) or e.get("state") == "completed" or e.get("retired") is True:
-            continue
-        created = e.get("time_created_ns")
-        if (
-            isinstance(created, int)
-            and created > 0
-            and (oldest is None or created < oldest["time_created_ns"])
-        ):
-            oldest = e
-    return oldest
-
-
-def _load(raw: Any) -> dict[str, Any]:
-    record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    return record if isinstance(record, dict) else {}
-
-
-def progress(record: dict[str, Any]) -> tuple[tuple[tuple[str, str, str], ...], bool]:
-    """(each group's last enqueued and completed sequence numbers, whether a group has one
-    enqueued past its last completed) from ``pg_status``: reading it costs microseconds,
-    the entries about 80 ms for 2,000 (so they are read only once nothing has moved for
-    the stall limit; gloo's last completed number can lag, so the entries decide)."""
-    key, busy = [], False
-    status = record.get("pg_status")
-    for group, value in sorted(status.items()) if isinstance(status, dict) else ():
-        if not isinstance(value, dict):
-            continue
-        enqueued, completed = value.get("last_enqueued_collective"), value.get("last_completed_collective")
-        key.append((str(group), str(enqueued), str(completed)))
-        try:
-            busy = busy or int(enqueued) > int(completed)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            busy = True
-    return tuple(key), busy
-
-
-def entry_op(entry: dict[str, Any], line: str | None) -> Op:
-    """The :class:`Op` of a JSON flight-record entry."""
-    group = entry.get("process_group")
-    desc = group[1] if isinstance(group, (list, tuple)) and len(group) > 1 else str(group or "")
-    seq = entry.get("collective_seq_id")
-    created = entry.get("time_created_ns")
-    return Op(
-        "collective",
-        live.op_name(entry.get("profiling_name")),
-        str(desc),
-        seq if isinstance(seq, int) else 0,
-        created / 1e9 if isinstance(created, int) else time.time(),
-        line,
-    )
-
-
-def thread_stacks() -> dict[str, list[dict[str, Any]]]:
-    """Every thread's Python stack, innermost frame first (the flight recorder's order)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    out = {}
-    for ident, frame in sys._current_frames().items():
-        frames = [{"filename": f.file, "line": f.line, "name": f.name} for f in live.stack_frames(frame)]
-        out[names.get(ident, str(ident))] = frames
-    return out
 
 
 class Watchdog(threading.Thread):
@@ -384,25 +313,30 @@ class Watchdog(threading.Thread):
 
     def failed(self, exc: BaseException, line: str | None) -> None:
         """The script raised ``exc`` at ``line``: when it is a collective that failed
-        because other ranks had reached the end of their script (gloo's "connection
-        closed by peer" after their ``destroy_process_group()``), say so — the first such
-        rank, once the others have told which op they were in."""
+        because another rank had reached the end of its script (gloo's "connection closed
+        by peer" after its ``destroy_process_group()``), the first such rank says so once
+        the others have told which op they were in; they wait for it (every wait bounded:
+        their exit makes torchrun end the job)."""
         store = self._finish_store()
-        if store is None or not isinstance(exc, RuntimeError):
+        if store is None or not (isinstance(exc, RuntimeError) and "by peer" in str(exc)):
             return
         with contextlib.suppress(Exception):
-            if int(store.add(_FINISHED, 0)) == 0:
-                return  # no rank has ended: the script's own error
+            deadline = time.monotonic() + EARLY_WAIT_S
+            while int(store.add(_FINISHED, 0)) == 0:  # (the rank that left may still be on its way)
+                if time.monotonic() > deadline:
+                    return  # no rank reached its end: the script's own error
+                time.sleep(0.1)
             entries = _load(self._dump(json_format=True, collectives=True)).get("entries") or [None]
             op = entry_op(entries[-1], line) if isinstance(entries[-1], dict) else Op("collective", "?")
             store.set(f"{_FAILED}{self.rank}", json.dumps(op.__dict__))
             if int(store.add(_EARLY, 1)) != 1:
+                while time.monotonic() < deadline + EARLY_WAIT_S and not store.check([_EARLY + "/said"]):
+                    time.sleep(0.1)
                 return
-            deadline = time.monotonic() + EARLY_WAIT_S
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline + EARLY_WAIT_S:
                 if int(store.add(_EARLY, 0)) + int(store.add(_FINISHED, 0)) >= self.world_size:
                     break
-                time.sleep(0.2)
+                time.sleep(0.1)
             finished = [r for r in range(self.world_size) if store.check([f"{_FIN}{r}"])]
             failed = {}
             for rank in range(self.world_size):
@@ -410,6 +344,7 @@ class Watchdog(threading.Thread):
                 if raw is not None:
                     failed[rank] = Op(**json.loads(raw))
             self._say(live.early_end(finished, failed))
+            store.set(_EARLY + "/said", "1")
 
     # -- ending the job ----------------------------------------------------------------
 
