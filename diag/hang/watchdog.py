@@ -102,8 +102,8 @@ class Watchdog(threading.Thread):
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             return None
-        store = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
-        store = dist.PrefixStore(f"gpudiag-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}", store)
+        client = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+        store = dist.PrefixStore(f"gpudiag-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}", client)
         store.set(f"{_PID}{self.rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         return store
 
@@ -431,8 +431,8 @@ class Watchdog(threading.Thread):
                 f"{what} stalled for over {self.stall_s:g} s (and {self.confirm_s:g} s more to confirm it); "
                 f"dumps in {self.out}"
             )
-            for text in said:
-                self._say(text)
+            for sentence in said:
+                self._say(sentence)
             from gpudiag.render.hang import text
 
             text(result, sys.stderr)
