@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
-from gpudiag.hang.watchdog import Watchdog
+from gpudiag.hang.watchdog import Watchdog, dump_record
 
 #: The names of the flight recorder's buffer size: torch 2.11 and later read the first; the
 #: second is its older NCCL-only name (deprecated: torch warns when it is set).
@@ -50,7 +50,7 @@ def records() -> bool:
     import json
 
     try:
-        raw = Watchdog._dump(json_format=True, collectives=False)
+        raw = dump_record(None, json_format=True, collectives=False)
         record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except Exception:
         return False

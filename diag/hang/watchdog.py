@@ -56,6 +56,30 @@ _EARLY = "gpudiag/hang/early"
 EARLY_WAIT_S = 5.0
 
 
+def dump_record(backend: str | None, json_format: bool, collectives: bool = True) -> Any:
+    """This rank's flight record through torch's private functions (``getattr``): NCCL
+    keeps its own recorder (``_dump_nccl_trace``), gloo's is ``_dump_fr_trace`` (which
+    takes ``backend=`` from torch 2.15). ``backend`` None: the default group's (one is
+    kept by the watchdog: the recorder still dumps after ``destroy_process_group``)."""
+    import torch
+    import torch.distributed as dist
+
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    suffix = "_json" if json_format else ""
+    backend = backend or str(dist.get_backend())
+    nccl = getattr(c10d, f"_dump_nccl_trace{suffix}", None)
+    kwargs = {"includeCollectives": False} if not collectives else {}
+    if backend == "nccl" and nccl is not None:
+        return nccl(**kwargs)
+    dump = getattr(c10d, f"_dump_fr_trace{suffix}", None)
+    if dump is None:
+        raise RuntimeError("this torch has no flight recorder dump")
+    try:
+        return dump(backend=backend, **kwargs)
+    except TypeError:  # torch < 2.15: one recorder, no backend argument
+        return dump(**kwargs)
+
+
 def confirm_window(stall_s: float) -> float:
     """Seconds a suspected stall must hold before the job is ended: ``max(10, stall_s / 2)``."""
     return max(10.0, stall_s / 2)
@@ -87,6 +111,8 @@ class Watchdog(threading.Thread):
         self.ending = threading.Lock()
         self.states: dict[int, State] = {}  # the ranks' last answers (a round's leader)
         self.suspected: Op | None = None  # the operation a confirmed stall held
+        self._round: tuple[Op, dict[int, str | None]] | None = None  # (op, ranks seen outside) it leads
+        self._said = threading.Lock()
         self._key: Any = None  # pg_status as last seen, when it changed, when entries were read
         self._since = self._checked = time.monotonic()
         self._p2p: tuple[Any, int, float] | None = None  # (frame, its instruction, since when)
@@ -241,21 +267,18 @@ class Watchdog(threading.Thread):
         """Lead round ``r`` for ``op``: True when the stall is confirmed (the alarm raised),
         False when it resolved (said on stderr; the round closed)."""
         start, grew_at, last = time.monotonic(), {}, {}  # type: ignore[var-annotated]
-        outside: dict[int, str | None] = {}
+        self._round = (op, {})
         while not self.stopping.wait(self.poll_s):
             if self.store is not None and self.store.check([_ALARM]):
                 return True
             if not self._still(op):
-                waited = time.time() - op.since
-                self._say(live.slow(op, waited, {k: v for k, v in outside.items() if k != self.rank}))
-                if self.store is not None:
-                    self.store.add(_RESOLVED, 1)
+                self._resolved()
                 return False
             self._publish(r)
             self.states = self._read_states(r)
             for rank, s in self.states.items():
-                if s.where == "outside":
-                    outside[rank] = s.line
+                if s.where == "outside" and rank != self.rank:
+                    self._round[1][rank] = s.line
                     if (
                         s.written is not None
                         and rank in last
@@ -267,10 +290,24 @@ class Watchdog(threading.Thread):
                     last[rank] = (s.t, s.written)
             writing = [k for k, t in grew_at.items() if time.monotonic() - t <= 3 * self.poll_s]
             if time.monotonic() - start >= self.confirm_s and not writing:
+                self._round = None
                 if self.store is not None:
                     self.store.add(_ALARM, 1)
                 return True
         return False
+
+    def _resolved(self) -> None:
+        """The round this rank leads ends: its operation completed (or the script went on
+        past it): said once, the round closed."""
+        with self._said:
+            if self._round is None:
+                return
+            op, outside = self._round
+            self._round = None
+            self._say(live.slow(op, time.time() - op.since, outside))
+            if self.store is not None:
+                with contextlib.suppress(Exception):
+                    self.store.add(_RESOLVED, 1)
 
     def _say(self, text: str) -> None:
         with contextlib.suppress(Exception):
@@ -290,6 +327,7 @@ class Watchdog(threading.Thread):
         ended (then return) or another rank raises the alarm (then dump, saying so, and
         end with 1) — a rank that ends while the others wait in a collective is the hang's
         cause, and its exit would turn their wait into a "connection closed" error."""
+        self._resolved()  # (a round this rank leads: its script went on past the operation)
         store = self._finish_store()
         if store is None:
             return
@@ -307,6 +345,7 @@ class Watchdog(threading.Thread):
 
     def left(self) -> None:
         """The script ended otherwise (an error, a non-zero exit): no rank waits for it."""
+        self._resolved()
         with contextlib.suppress(Exception):
             if self._finish_store() is not None:
                 self.store.add(_LEFT, 1)
@@ -349,26 +388,7 @@ class Watchdog(threading.Thread):
     # -- ending the job ----------------------------------------------------------------
 
     def _dump(self, json_format: bool, collectives: bool = True) -> Any:
-        """This rank's flight record through torch's private functions (``getattr``): NCCL
-        keeps its own recorder (``_dump_nccl_trace``), gloo's is ``_dump_fr_trace`` (which
-        takes ``backend=`` from torch 2.15)."""
-        import torch
-        import torch.distributed as dist
-
-        c10d = getattr(torch._C, "_distributed_c10d", None)
-        suffix = "_json" if json_format else ""
-        backend = self.backend or str(dist.get_backend())
-        nccl = getattr(c10d, f"_dump_nccl_trace{suffix}", None)
-        kwargs = {"includeCollectives": False} if not collectives else {}
-        if backend == "nccl" and nccl is not None:
-            return nccl(**kwargs)
-        dump = getattr(c10d, f"_dump_fr_trace{suffix}", None)
-        if dump is None:
-            raise RuntimeError("this torch has no flight recorder dump")
-        try:
-            return dump(backend=backend, **kwargs)
-        except TypeError:  # torch < 2.15: one recorder, no backend argument
-            return dump(**kwargs)
+        return dump_record(self.backend, json_format, collectives)
 
     def _write(self) -> None:
         from gpudiag.hang.outdir import Folder

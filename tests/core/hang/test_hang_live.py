@@ -156,14 +156,17 @@ def test_a_slow_rank_is_not_ended_and_the_slowness_is_said(tmp_path: Path) -> No
     assert sorted(line for line in done.stdout.splitlines() if "finished" in line) == [
         f"rank {r} finished" for r in range(3)
     ]
-    sleep, write = _line(SLOW, "time.sleep(6)"), _line(SLOW, "time.sleep(0.25)")
+    sleep = _line(SLOW, "time.sleep(6)")
+    writing = [_line(SLOW, text) for text in ("f.write(", "f.flush()", "time.sleep(0.25)")]
     said = [line for line in done.stderr.splitlines() if "slow, not hung" in line]
     assert any(
         "rank 0 spent" in line
         and f"outside any collective at train.py:{sleep} while the others waited in barrier #2" in line
         for line in said
     ), done.stderr[-3000:]
-    assert any(f"at train.py:{write} while the others waited in barrier #3" in line for line in said), said
+    assert any(
+        f"at train.py:{n} while the others waited in barrier #3" in line for line in said for n in writing
+    ), said
     assert not (tmp_path / "hang").exists()
 
 
@@ -186,7 +189,7 @@ def test_a_send_recv_deadlock_is_ended_naming_the_ranks_and_lines(tmp_path: Path
     """Before: gloo records no p2p, nothing looked pending, and the job waited for the
     backend's 30-minute timeout."""
     done, took = _job(tmp_path, DEADLOCK, 2, "--stall", "2", "--confirm", "1", "-o", "hang")
-    assert done.returncode != 0 and took < 120, done.stderr[-3000:]
+    assert done.returncode != 0 and took < 150, done.stderr[-3000:]
     recv = _line(DEADLOCK, "dist.recv(")
     assert "a send/recv stalled for over 2 s" in done.stderr, done.stderr[-3000:]
     assert (
@@ -246,7 +249,7 @@ GIL = textwrap.dedent(
 
 def test_a_rank_holding_the_gil_is_said_alive_not_dead(tmp_path: Path) -> None:
     done, took = _job(tmp_path, GIL, 2, "--stall", "2", "--confirm", "1", "-o", "hang")
-    assert done.returncode != 0 and took < 110, done.stderr[-3000:]
+    assert done.returncode != 0 and took < 150, done.stderr[-3000:]
     assert "rank 1 is alive but not answering (pid " in done.stderr, done.stderr[-3000:]
     assert "rank 1 is gone" not in done.stderr
 

@@ -56,7 +56,7 @@ def test_a_skipped_all_reduce_ends_the_job_naming_the_rank_the_collective_and_th
     tmp_path: Path,
 ) -> None:
     done, took = _torchrun(tmp_path, SKIPS, 3, "--stall", "5", "-o", "hang")
-    assert done.returncode != 0 and took < 60, done.stderr[-3000:]
+    assert done.returncode != 0 and took < 150, done.stderr[-3000:]  # (stall + confirm + gather, loaded)
     n = next(i + 1 for i, text in enumerate(SKIPS.splitlines()) if "dist.all_reduce(x)" in text)
     said = (
         f"rank 1 never entered default_pg collective #3 while ranks 0 and 2 are in all_reduce (train.py:{n})"
