@@ -25,15 +25,17 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 
 
 def check(folder: Path) -> Path:
-    """``folder`` as it will be written (a link to a folder resolved), after trying that it
-    can be written; InputError naming it and why not."""
+    """``folder`` as it will be written (absolute, a link to a folder resolved), after
+    trying that it can be written; InputError naming it and why not."""
+    given = folder
     if folder.is_symlink() and folder.is_dir():
         folder = folder.resolve()
+    folder = Path(os.path.abspath(folder))  # (the script may change its working folder)
     existing = folder
     while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise InputError(f"{folder}: {existing} is not a folder (where the hang dumps would go)")
+        raise InputError(f"{given}: {_shown(existing)} is not a folder (where the hang dumps would go)")
     probe = existing / f".gpudiag-probe-{os.getpid()}"
     try:
         probe.mkdir()
@@ -41,9 +43,17 @@ def check(folder: Path) -> Path:
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise InputError(
-            f"{folder}: cannot write in {existing} ({reason}): name a folder you can write"
+            f"{given}: cannot write in {_shown(existing)} ({reason}): name a folder you can write"
         ) from None
     return folder
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it is inside it (as the user named it)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 class Folder:
