@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -33,6 +35,12 @@ def hang(ctx: click.Context, paths: tuple[str, ...], world_size: int | None, fmt
     ctx.exit(result.exit_code())
 
 
+#: The run ``gpudiag run`` was asked for: (script, args, watchdog), set by the command once
+#: its options are checked, run by :func:`run_main` outside click (no handler of gpudiag's
+#: around the user's script).
+_PLANNED: list[tuple[Path, list[str], Any]] = []
+
+
 @cli.command(
     "run",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
@@ -43,20 +51,44 @@ def hang(ctx: click.Context, paths: tuple[str, ...], world_size: int | None, fmt
     default=300.0,
     show_default=True,
     metavar="SECONDS",
-    help="How long a collective may be pending before every rank dumps and the job ends.",
+    help="How long an operation may be pending before the ranks are asked whether the job is stuck.",
+)
+@click.option(
+    "--confirm",
+    type=FiniteFloatRange(0.0, None),
+    default=None,
+    metavar="SECONDS",
+    help="How much longer the stall must hold (no rank outside a collective writing) before the job "
+    "is ended  [default: max(10, stall/2)]",
 )
 @click.option(
     "-o", "out", default="gpudiag-hang", show_default=True, metavar="DIR", help="Where the dumps go."
 )
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
-def run_command(ctx: click.Context, stall: float, out: str, script: str, args: tuple[str, ...]) -> None:
-    """Run SCRIPT ARGS (in each rank, under torchrun) with a hang watchdog: when a
-    collective stalls, every rank writes its flight record and Python stacks into DIR,
-    the first rank prints the verdict and the job ends (exit 1)."""
-    from pathlib import Path
+def run_command(stall: float, confirm: float | None, out: str, script: str, args: tuple[str, ...]) -> None:
+    """Run SCRIPT ARGS (in each rank, under torchrun) as python would, with a hang
+    watchdog: when an operation stays pending past --stall and then --confirm, every rank
+    writes its flight record and Python stacks into DIR, the first rank prints the
+    verdict and the job ends (exit 1). Otherwise the exit code is the script's."""
+    from gpudiag.errors import InputError
+    from gpudiag.hang.arm import prepare
 
+    path = Path(script)
+    if not path.is_file():
+        raise InputError(f"{script}: no such script")
+    _PLANNED.append((path, list(args), prepare(stall, out, confirm_s=confirm)))
+
+
+def run_main() -> None:
+    """``gpudiag run``: the options checked by click (a bad one: one line, exit 2), then
+    the script run as ``python SCRIPT`` runs it — outside click, with none of the command
+    line's signal handlers, and left to the interpreter to exit as it does."""
+    try:
+        cli(prog_name="gpudiag")
+    except SystemExit as exc:
+        if exc.code not in (0, None) or not _PLANNED:
+            raise
     from gpudiag.hang.runner import run_script
 
-    ctx.exit(run_script(script, list(args), stall, Path(out)))
+    run_script(*_PLANNED.pop())

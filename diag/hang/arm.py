@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.errors import InputError
-from gpudiag.hang.watchdog import Watchdog
+from gpudiag.hang.watchdog import Watchdog, dump_record
 
 #: The names of the flight recorder's buffer size: torch 2.11 and later read the first; the
 #: second is its older NCCL-only name (deprecated: torch warns when it is set).
@@ -50,7 +50,7 @@ def records() -> bool:
     import json
 
     try:
-        raw = Watchdog._dump(json_format=True, collectives=False)
+        raw = dump_record(None, json_format=True, collectives=False)
         record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except Exception:
         return False
@@ -85,11 +85,15 @@ def attempt_folder(folder: Path) -> Path:
     return folder / f"restart{count}" if count.isdigit() and int(count) > 0 else folder
 
 
-def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") -> Watchdog:
+def prepare(
+    stall_s: float, out: str | Path | None, *, by: str = "gpudiag run", confirm_s: float | None = None
+) -> Watchdog:
     """A :class:`Watchdog` for a collective pending longer than ``stall_s`` seconds, its
     dumps into folder ``out`` (None: :data:`DEFAULT_DIR`, relative to the working folder;
     one that holds an earlier run's dumps, stacks or verdict: InputError), not started yet;
-    ``by`` is who it says found the stall. The recorder is turned on here when no process
+    ``by`` is who it says found the stall; ``confirm_s`` how long a stall must hold after
+    ``stall_s`` (None: :func:`~gpudiag.hang.watchdog.confirm_window`); the folder must be
+    writable (:func:`~gpudiag.hang.outdir.check`). The recorder is turned on here when no process
     group exists yet; when one exists and its recorder is off: InputError."""
     if (
         isinstance(stall_s, bool)
@@ -102,7 +106,9 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
     folder = Path(DEFAULT_DIR if out is None else out)
     if (folder.exists() or folder.is_symlink()) and not folder.is_dir():  # (a link to nothing: too)
         raise InputError(f"{folder}: not a folder (where the hang dumps would go)")
-    folder = attempt_folder(folder)
+    from gpudiag.hang.outdir import check
+
+    folder = check(attempt_folder(folder))
     earlier = _earlier(folder)
     if earlier is not None:  # (read with this job's dumps it would mix two runs, or be overwritten)
         raise InputError(
@@ -118,7 +124,7 @@ def prepare(stall_s: float, out: str | Path | None, *, by: str = "gpudiag run") 
             "(the process group exists already): set TORCH_FR_BUFFER_SIZE (e.g. =2000) in the environment "
             "before init_process_group, or launch with `torchrun … -m gpudiag run SCRIPT`"
         )
-    watchdog = Watchdog(float(stall_s), folder)
+    watchdog = Watchdog(float(stall_s), folder, confirm_s=confirm_s)
     watchdog.by = by
     if dist is not None:  # (launchers other than torchrun set no RANK)
         watchdog.rank, watchdog.world_size = dist.get_rank(), dist.get_world_size()
@@ -144,6 +150,7 @@ def start(watchdog: Watchdog) -> Watchdog:
     if not _ARMED:
         atexit.register(_stop_all)
     _ARMED.add(watchdog)
+    watchdog.connect_now()
     watchdog.start()
     return watchdog
 

@@ -1,23 +1,25 @@
 """``gpudiag run``: the user's script, unchanged, under the hang watchdog (docs/hang.md).
 
-It runs ``SCRIPT ARGS`` as ``python SCRIPT ARGS`` would (``sys.argv``, ``__main__``, the
-script's folder first on ``sys.path``), with the flight recorder on unless the user set its
-variables, and a :class:`~gpudiag.hang.watchdog.Watchdog` thread (both by :mod:`.arm`). A script that ends
-normally leaves nothing behind and exits with its own code. As under ``python SCRIPT``, the
-script's non-daemon threads are waited for and its ``atexit`` handlers run when it ends
-(:func:`_python_exit`: gpudiag's command line leaves with ``os._exit``, which skips both).
+It runs ``SCRIPT ARGS`` as ``python SCRIPT ARGS`` would (:mod:`.script`: ``sys.argv``, a
+fresh ``__main__``, the script's folder first on ``sys.path``) with a
+:class:`~gpudiag.hang.watchdog.Watchdog` thread (armed by :mod:`.arm`). gpudiag installs
+no signal handler in this process and never leaves through ``os._exit`` unless it ends a
+hung job: the script's handlers, ``KeyboardInterrupt``, ``sys.excepthook``, threads,
+``atexit`` and the interpreter's finalisation behave as without gpudiag, and its exit
+code is the script's. A script that ends normally waits (after its non-daemon threads,
+before its ``atexit`` handlers, where Python would start to finalise) until every rank's
+script has ended — its exit would otherwise turn the others' wait into gloo's "connection
+closed", which names nobody.
 """
 
 from __future__ import annotations
 
-import atexit
-import runpy
 import sys
 import threading
-import traceback
+import types
 from pathlib import Path
 
-from gpudiag.errors import InputError
+from gpudiag.hang import live, script
 from gpudiag.hang.watchdog import Watchdog
 
 
@@ -28,54 +30,51 @@ def _join_threads() -> None:
             thread.join()
 
 
-def _python_exit(code: int) -> int:
-    """What Python does once a script's main thread has ended, before it exits: wait for the
-    script's non-daemon threads, then run the ``atexit`` handlers (the watchdog's own stop
-    among them); ``code`` returned."""
-    _join_threads()
-    run_handlers = getattr(atexit, "_run_exitfuncs", None)  # (CPython's; what its exit calls)
-    if run_handlers is not None:
-        run_handlers()
-    return code
+def _raised_at(tb: types.TracebackType | None) -> str | None:
+    """The user's line where an exception was raised (its traceback's innermost user frame)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return live.user_line(tuple(f for frame in reversed(frames) for f in live.stack_frames(frame)[:1]))
 
 
-def run_script(script: str, args: list[str], stall_s: float, out: Path) -> int:
-    """Run ``script`` under the watchdog; its exit code (the watchdog ends a hung job with 1)."""
-    path = Path(script)
-    if not path.is_file():
-        raise InputError(f"{script}: no such script")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"-o {out}: not a folder")
-    from gpudiag.hang.arm import prepare, start
+def run_script(path: Path, args: list[str], watchdog: Watchdog) -> None:
+    """Run the script at ``path`` with ``args`` under ``watchdog``; return when it ended
+    normally (every rank's script ended too), so that Python exits 0 as it would. A
+    ``SystemExit`` and the script's unhandled exceptions go on to the interpreter's top
+    level (:func:`.script.hand_back`)."""
+    from gpudiag.hang.arm import start
 
-    watchdog = start(prepare(stall_s, out))
-    sys.argv = [script, *args]
-    sys.path.insert(0, str(path.resolve().parent))
+    filename = str(path.resolve())
     try:
-        runpy.run_path(script, run_name="__main__")
+        module, code = script.load(path)
+    except SyntaxError as exc:
+        script.hand_back(exc, filename)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    start(watchdog)
+    try:
+        script.execute(module, code)
     except SystemExit as exc:
-        code = exc.code
-        if code is None or code == 0:
-            return _finished(watchdog)
-        if isinstance(code, int):
-            return _python_exit(code)
-        sys.stderr.write(f"{code}\n")
-        return _python_exit(1)
-    except Exception:
+        if exc.code is None or exc.code == 0:
+            _finished(watchdog)
+        else:
+            watchdog.left()
+        raise
+    except BaseException as exc:
         if watchdog.ending.locked():
             # The watchdog is ending the job for a hang, and a collective of the script failed
             # as the others left ("connection closed by peer"): a consequence, not the cause —
             # the verdict says what happened. The watchdog thread ends this process.
             watchdog.join(watchdog.gather_s + 15)
-            return 1
-        traceback.print_exc()  # the script's own error: shown as python shows it
-        return _python_exit(1)
-    return _finished(watchdog)
+        watchdog.failed(exc, _raised_at(exc.__traceback__))
+        watchdog.left()
+        script.hand_back(exc, filename)
+    _finished(watchdog)
 
 
-def _finished(watchdog: Watchdog) -> int:
-    """The script ended normally: its threads end, every rank ends (``finish``), then its
-    ``atexit`` handlers run; 0."""
+def _finished(watchdog: Watchdog) -> None:
+    """The script ended normally: its threads end, then every rank's script (``finish``)."""
     _join_threads()
     watchdog.finish()
-    return _python_exit(0)

@@ -72,7 +72,9 @@ def _torchrun(
 
 def test_a_skipped_all_reduce_under_watch_ends_the_job_and_names_the_rank(tmp_path: Path) -> None:
     done, took = _torchrun(tmp_path, WATCHED, 3)
-    assert done.returncode != 0 and took < within(idle_s=6.0), done.stderr[-3000:]
+    assert done.returncode != 0 and took < within(idle_s=15.0), done.stderr[
+        -3000:
+    ]  # (stall + confirm + gather)
     n = next(i + 1 for i, text in enumerate(WATCHED.splitlines()) if "dist.all_reduce(x)" in text)
     barrier = next(i + 1 for i, text in enumerate(WATCHED.splitlines()) if "dist.barrier()" in text)
     said = f"while ranks 0 and 2 are in all_reduce (train.py:{n})"
