@@ -179,6 +179,21 @@ def resolve_model(
     return ModelFactory(spec, "module", target, attr, **common)
 
 
+#: The folder of a bug-report bundle that carries a ``--model`` file's source (``model/NAME.py``):
+#: ``gpudiag replay --trust-bundle`` runs that copy, from whatever folder it runs in.
+BUNDLE_MODEL_FOLDER = "model"
+
+
+def bundle_files(factory: ModelFactory) -> dict[str, bytes]:
+    """What a bundle carries for a resolved ``--model``: a Python file's source under
+    :data:`BUNDLE_MODEL_FOLDER` (nothing for built-ins, torchvision and importable modules,
+    which a replaying machine has by name)."""
+    if factory.kind != "file":
+        return {}
+    path = Path(factory.target)
+    return {f"{BUNDLE_MODEL_FOLDER}/{path.name}": path.read_bytes()}
+
+
 class PassThrough(nn.Linear):
     """A layer that sits in the model with parameters but passes its input through:
     its parameters never get a gradient (what ``find_unused_parameters`` is for)."""

@@ -548,7 +548,7 @@ def test_replay_runs_no_code_the_bundle_names(tmp_path: Path) -> None:
         tmp_path / "b", [gradcheck_entry(model=f"{evil}:build"), {**gradcheck_entry(model="this:x")}]
     )
     result = invoke(["replay", str(bundle), "--format", "json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # nothing compared (issue 47: it said MATCH, exit 0)
     assert not marker.exists() and "Zen of Python" not in result.output
     doc = json.loads(result.output)
     assert doc["trusted"] is False
@@ -637,7 +637,7 @@ def test_replay_skips_what_cannot_run_here(tmp_path: Path) -> None:
     gradcheck["result"] = {"config": {"devices": {"kind": "cuda", "ids": [0, 1]}}, "comparisons": []}
     bundle = write_doc(tmp_path / "b", [peer, topology, gradcheck])
     result = invoke(["replay", str(bundle), "--format", "json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # nothing compared: not a match (issue 47)
     doc = json.loads(result.output)
     assert [c["here"]["status"] for c in doc["checks"]] == ["skipped"] * 3
     notes = [c["note"] for c in doc["checks"]]
@@ -855,8 +855,13 @@ def test_replay_fuzz(
     assert result.exit_code in (0, 1, 2, 3), result.output
     assert "internal error" not in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    if result.exit_code == 3:
-        assert "cannot run" in result.output
+    if result.exit_code == 3:  # nothing compared: each check says why, or there was none
+        doc = json.loads(result.output)
+        assert doc["verdict"] == "nothing-compared"
+        assert all(
+            c["here"] is None or c["here"]["status"] == "skipped" for c in doc["checks"] if c["name"] != "env"
+        )
+        assert all(c["note"] for c in doc["checks"] if c["name"] != "env")
 
 
 def test_each_check_gets_only_the_injections_it_can_fire() -> None:
