@@ -179,7 +179,7 @@ def command_line(name: str, config: Mapping[str, Any] | None) -> str:
     for key, value in (config or {}).items():
         if key == "source" or value is None or value is False or value == []:
             continue
-        flag = "--" + key.replace("_", "-")
+        flag = "--model-output" if key == "output" else "--" + key.replace("_", "-")
         if key in ("inject", "from_log"):
             for spec in value:
                 argv += [flag, spec]

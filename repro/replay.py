@@ -177,10 +177,13 @@ def carried_model(config: dict[str, Any], bundle: Bundle, folder: Path) -> tuple
         return config, ""
     text, mark, query = spec.partition("?")
     target, _, attr = text.rpartition(":")
-    if not (target.endswith(".py") or "/" in target):
-        return config, ""
     from gpudiag.models import BUNDLE_MODEL_FOLDER
 
+    if not (target.endswith(".py") or "/" in target):  # (mymodel:build, given beside mymodel.py)
+        carried = bundle.files.get(f"{BUNDLE_MODEL_FOLDER}/{target}.py")
+        if carried is None:
+            return config, ""
+        target = f"{target}.py"
     name = Path(target).name
     source = bundle.files.get(f"{BUNDLE_MODEL_FOLDER}/{name}")
     if source is None:

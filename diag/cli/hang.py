@@ -57,6 +57,12 @@ def run_command(ctx: click.Context, stall: float, out: str, script: str, args: t
     the first rank prints the verdict and the job ends (exit 1)."""
     from pathlib import Path
 
+    from gpudiag.cli.options import refuse_module, refuse_unknown_option
+
+    if script == "-m":  # (not an option: torchrun's own -m must stay unmatched by ours)
+        refuse_module(args[0] if args else "")
+    refuse_unknown_option(ctx, script)  # (--stal 5: an option misspelt, not a script)
+
     from gpudiag.hang.runner import run_script
 
     ctx.exit(run_script(script, list(args), stall, Path(out)))
