@@ -8,7 +8,11 @@ For each ordered GPU pair (src → dst):
   size and dtype is copied src → dst and compared there with the pattern computed on dst
   (a round trip, as simpleP2P does, cannot see a write that lands in the wrong place). The
   first copies over each direction in this process — each size and dtype once, before any
-  other — are ``cold`` (lazily enabled peer access, first-copy bugs), the repeat ``warm``;
+  other — are ``cold`` (lazily enabled peer access, first-copy bugs), the repeat ``warm``.
+  Each such round is a *step* of ``--inject``'s ``@STEP``: round 1 the cold copies, round 2
+  the warm ones, and a fault from a later step adds warm rounds up to it (at most
+  :data:`MAX_ROUNDS`); the all-reduce below runs once, or once per step up to the last
+  ``@STEP``;
 - bandwidth (CUDA only): the direct copy against one staged through host memory — direct
   slower than staged is the signature of an ACS/IOMMU redirect;
 - a two-rank all-reduce with exact expected values (sums of small integers, exact in fp32)
@@ -45,6 +49,9 @@ GPU_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
 VIRTUAL_SIZES = (4 << 10, 64 << 10, 1 << 20)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 ALLREDUCE_ELEMENTS = 1 << 16
+#: The most rounds (``--inject`` steps) of copies and all-reduces a run makes: a spec from a
+#: later step is refused before anything runs.
+MAX_ROUNDS = 10
 
 
 @dataclass
@@ -69,6 +76,7 @@ class PeerReport:
     machine_source: str | None = None  # the file virtual devices were laid out like
     reason: str | None = None  # why no pair was tested (verdict ``skipped``)
     inject: list[str] = field(default_factory=list)  # faults injected on purpose (--inject)
+    unfired: list[str] = field(default_factory=list)  # of those, the ones that hit nothing
 
     def __repr__(self) -> str:
         return short_repr(self, self.verdict, self.findings, directions=len(self.pairs))
@@ -100,6 +108,7 @@ class PeerReport:
             "simulated": self.simulated,
             "simulation": self.simulation,
             "rehearsal": rehearsal(self.inject),
+            "unfired": self.unfired,
             "reason": self.reason,
             "devices": self.devices,
             "pairs": [p.__dict__ for p in self.pairs],
@@ -166,7 +175,11 @@ def bandwidth(devices: DeviceSet, src: int, dst: int, nbytes: int) -> dict[str, 
     return {"bytes": nbytes, "direct_gbs": round(direct, 2), "staged_gbs": round(staged, 2)}
 
 
-def _allreduce_rank(rank: int, world: int, n: int, faults: tuple[str, ...], gpus: tuple[int, ...]) -> bytes:
+def _allreduce_rank(
+    rank: int, world: int, n: int, faults: tuple[str, ...], gpus: tuple[int, ...], rounds: int = 1
+) -> bytes:
+    """``rounds`` all-reduces (steps 1…rounds for ``faults``): the wrong values summed over
+    them, the first step with any, and how many times each fault hit."""
     import json
 
     import torch.distributed as dist
@@ -175,19 +188,26 @@ def _allreduce_rank(rank: int, world: int, n: int, faults: tuple[str, ...], gpus
     if dist.get_backend() == "nccl":
         torch.cuda.set_device(gpus[rank])
         device = f"cuda:{gpus[rank]}"
-    values = (rank + 1) * _pattern(n, torch.float32, torch.device(device))
-    dist.all_reduce(values)
     plan = FaultPlan.parse(faults)
-    for fault in plan.due_on_rank(rank, 1):
-        values = corrupt(values, fault)
     expected = (world * (world + 1) // 2) * _pattern(n, torch.float32, torch.device(device))
-    return json.dumps({"rank": rank, "wrong": int((values != expected).sum())}).encode()
+    wrong, first = 0, None
+    for step in range(1, rounds + 1):
+        values = (rank + 1) * _pattern(n, torch.float32, torch.device(device))
+        dist.all_reduce(values)
+        for fault in plan.due_on_rank(rank, step):
+            values = corrupt(values, fault)
+        bad = int((values != expected).sum())
+        wrong += bad
+        first = step if bad and first is None else first
+    return json.dumps({"rank": rank, "wrong": wrong, "first_step": first, "hits": plan.hits}).encode()
 
 
 def allreduce_check(
-    pair: tuple[int, int], devices: DeviceSet, faults: tuple[str, ...], timeout: float
+    pair: tuple[int, int], devices: DeviceSet, faults: tuple[str, ...], timeout: float, rounds: int = 1
 ) -> dict[str, Any]:
-    """All-reduce on the pair as configured and with NCCL_P2P_DISABLE=1 (the control)."""
+    """All-reduce on the pair as configured and with NCCL_P2P_DISABLE=1 (the control),
+    ``rounds`` times each (``faults`` count them as steps). ``hits``: per fault, the
+    corrupted results it caused on the configured run."""
     import json
 
     backend = "gloo" if devices.kind == "virtual" else "nccl"
@@ -204,14 +224,18 @@ def allreduce_check(
                     2,
                     backend=backend,
                     timeout=timeout,
-                    args=(ALLREDUCE_ELEMENTS, faults if disable is None else (), pair),
+                    args=(ALLREDUCE_ELEMENTS, faults if disable is None else (), pair, rounds),
                 )
             ]
+            firsts = [r["first_step"] for r in results if r.get("first_step") is not None]
             out[label] = {
                 "wrong": sum(r["wrong"] for r in results),
                 "hung": False,
                 "wrong_by_rank": {pair[r["rank"]]: r["wrong"] for r in results},
+                "first_wrong_step": min(firsts) if firsts else None,
             }
+            if disable is None:
+                out[label]["hits"] = [sum(r["hits"][i] for r in results) for i in range(len(faults))]
         except RankFailure as failure:
             out[label] = {"wrong": None, "hung": failure.code == "rank-hung", "error": str(failure)}
         finally:
@@ -260,11 +284,15 @@ def peer(
         reason = f"GPU tests: not enough GPUs ({len(gpus)} {devices.kind} device(s)); host probes only"
     if reason is not None:
         skipped.append(reason)
-    check_fires(inject, chosen, None)
+    check_fires(inject, chosen, MAX_ROUNDS)
+    last = max([1] + [FaultPlan.parse([spec]).faults[0].step for spec in inject])  # (the last @STEP)
+    rounds = max(2, last)
+    fired = [0] * len(inject)
     host = collect(runner)
     if devices is not None:
         sizes = sizes or (VIRTUAL_SIZES if devices.kind == "virtual" else GPU_SIZES)
-        transport = Transport(devices, faults=FaultPlan.parse(list(inject)))
+        plan = FaultPlan.parse(list(inject))
+        transport = Transport(devices, faults=plan)
         grants = {(p.a, p.b): p.p2p for p in machine.pairs()} if machine is not None else {}
         for a, b in chosen:
             first_direction = len(results)
@@ -274,28 +302,39 @@ def peer(
                     grant["torch"] = bool(torch.cuda.can_device_access_peer(src, dst))
                 link = devices.link(src, dst)
                 result = PairResult(src, dst, link, grant)
-                for phase in ("cold", "warm"):  # cold: the first copies over src → dst here
+                for step in range(1, rounds + 1):  # cold: the first copies over src → dst here
+                    transport.step = step
+                    phase = "cold" if step == 1 else "warm"
                     for dtype in DTYPES:
                         for size in sizes:
-                            result.copies.append(copy_check(transport, src, dst, size, dtype, phase))
+                            copy = copy_check(transport, src, dst, size, dtype, phase)
+                            result.copies.append({**copy, "step": step})
                 if devices.kind == "cuda":
                     result.bandwidth = bandwidth(devices, src, dst, max(sizes))
                 results.append(result)
             pair_devices = (a, b)
+            # (each spec that concerns the pair, in rank numbers, and which of inject it is)
+            mine = [(i, for_devices((spec,), pair_devices, to_ranks=True)) for i, spec in enumerate(inject)]
+            mine = [(i, specs) for i, specs in mine if specs]
             report = allreduce_check(
                 pair_devices,
                 DeviceSet.virtual(list(pair_devices), machine)
                 if devices.kind == "virtual"
                 else DeviceSet.cuda(list(pair_devices)),
-                for_devices(tuple(inject), pair_devices, to_ranks=True),
+                tuple(specs[0] for _, specs in mine),
                 timeout,
+                last,
             )
+            for (i, _), hits in zip(mine, report.get("configured", {}).pop("hits", []), strict=False):
+                fired[i] += hits
             results[first_direction].allreduce = report
+        fired = [n + hits for n, hits in zip(fired, plan.hits, strict=True)]
     findings = conclude(results, host)
     verdict = "fail" if any(f.severity == "error" for f in findings) else ("pass" if results else "skipped")
     kind = devices.kind if devices else "none"
     source = machine_source if machine is not None else None
-    return PeerReport(verdict, kind, results, host, skipped, findings, source, reason, list(inject))
+    unfired = [spec for spec, n in zip(inject, fired, strict=True) if not n] if results else []
+    return PeerReport(verdict, kind, results, host, skipped, findings, source, reason, list(inject), unfired)
 
 
 _CONFIRM = "rerun with NCCL_P2P_DISABLE=1 (and compare p2pBandwidthLatencyTest with P2P on and off)"
@@ -328,7 +367,8 @@ def conclude(results: list[PairResult], host: HostFacts) -> list[Finding]:
                 "p2p-copy-mismatch",
                 "error",
                 f"copies {r.src}->{r.dst} over {r.link or 'an unknown link'} arrive wrong: "
-                f"{c['wrong']} wrong element(s) in {c['bytes']} bytes of {c['dtype']} ({c['phase']}); "
+                f"{c['wrong']} wrong element(s) in {c['bytes']} bytes of {c['dtype']} "
+                f"({c['phase']}, step {c.get('step', 1)}); "
                 f"{len(bad)} bad copies in all",
                 {
                     "directions": sorted({(x.src, x.dst) for x, _ in bad}),

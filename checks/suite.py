@@ -184,7 +184,7 @@ def command_line(name: str, config: Mapping[str, Any] | None) -> str:
         if key in POSITIONAL:
             positional += [str(v) for v in value] if isinstance(value, list) else [str(value)]
             continue
-        flag = "--" + key.replace("_", "-")
+        flag = "--model-output" if key == "output" else "--" + key.replace("_", "-")
         if key in ("inject", "from_log"):
             for spec in value:
                 argv += [flag, spec]

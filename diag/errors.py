@@ -104,4 +104,17 @@ def from_user_code(exc: BaseException, where: str) -> GpudiagError:
         assert isinstance(exc, OSError)
         on = f" writing {exc.filename}" if exc.filename else ""
         return ResourceError(f"{where}: no space left on device{on} ({exc.strerror})")
-    return UserCodeError(f"{where} raised {type(exc).__name__}: {_first_line(exc)}")
+    return UserCodeError(f"{where} raised {type(exc).__name__}: {_first_line(exc)}{_hint(exc)}")
+
+
+def _hint(exc: BaseException) -> str:
+    """What to do about a common mistake in the inputs gpudiag generated for the model: float
+    inputs fed to an Embedding (torch: "Expected tensor for argument #1 'indices' to have one
+    of the following scalar types: Long, Int; but got torch.FloatTensor")."""
+    text = str(exc)
+    if "'indices'" in text and "Long" in text and "Float" in text:
+        return (
+            " — the model takes integer ids (an Embedding): generate them with "
+            "--input-dtype long --input-range 0,VOCAB (VOCAB: its num_embeddings)"
+        )
+    return ""

@@ -176,8 +176,16 @@ def resolve_model(
         known = ", ".join(BUILTINS)
         raise InputError(
             f"bad --model {spec!r}: expected torchvision:NAME, path/to/file.py:factory, "
-            f"package.module:factory or a built-in ({known})"
+            f"package.module:factory or a built-in ({known}){_did_you_mean(text)}"
         )
+    if not (target.endswith(".py") or "/" in target) and not importable_name(target):
+        raise InputError(
+            f"--model {spec!r}: {target!r} is not a module name (package.module) nor a .py file; "
+            f"a file is path/to/file.py:{attr}"
+        )
+    here = Path(target.replace(".", "/") + ".py")
+    if not (target.endswith(".py") or "/" in target) and here.is_file() and not _importable(target):
+        target = str(here)  # (mymodel:build beside mymodel.py: the file, as python -m would find it)
     if target.endswith(".py") or "/" in target:
         path = Path(target)
         if not path.is_file():
@@ -189,10 +197,57 @@ def resolve_model(
     try:
         module = importlib.import_module(target)
     except ImportError as exc:
-        raise InputError(f"--model {spec!r}: cannot import module {target!r} ({exc})") from exc
+        raise InputError(
+            f"--model {spec!r}: cannot import module {target!r} ({exc}); a file is path/to/file.py:{attr}"
+        ) from exc
     if not callable(getattr(module, attr, None)):
         raise InputError(f"--model {spec!r}: module {target} has no callable {attr!r}")
     return ModelFactory(spec, "module", target, attr, **common)
+
+
+#: The folder of a bug-report bundle that carries a ``--model`` file's source (``model/NAME.py``):
+#: ``gpudiag replay --trust-bundle`` runs that copy, from whatever folder it runs in.
+BUNDLE_MODEL_FOLDER = "model"
+
+
+def bundle_files(factory: ModelFactory) -> dict[str, bytes]:
+    """What a bundle carries for a resolved ``--model``: a Python file's source under
+    :data:`BUNDLE_MODEL_FOLDER` (nothing for built-ins, torchvision and importable modules,
+    which a replaying machine has by name)."""
+    if factory.kind != "file":
+        return {}
+    path = Path(factory.target)
+    return {f"{BUNDLE_MODEL_FOLDER}/{path.name}": path.read_bytes()}
+
+
+def importable_name(name: str) -> bool:
+    """Whether ``name`` is spelt as an absolute module name (``pkg.mod``; not ``..``, ``.x``)."""
+    return all(part.isidentifier() for part in name.split("."))
+
+
+def _importable(name: str) -> bool:
+    """Whether ``import name`` would find something (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _did_you_mean(text: str) -> str:
+    """A hint for a spec without ``:``: a torchvision name, a built-in, or a file missing its factory."""
+    if text.endswith(".py"):
+        return f"; a file needs its factory: {text}:build (the function that returns the model)"
+    close = difflib.get_close_matches(text, list(BUILTINS), n=1)
+    if close:
+        return f"; did you mean {close[0]}?"
+    try:
+        names = _torchvision().models.list_models()
+    except CannotRunHere:
+        return ""
+    if text in names:
+        return f"; did you mean torchvision:{text}?"
+    close = difflib.get_close_matches(text, names, n=1)
+    return f"; did you mean torchvision:{close[0]}?" if close else ""
 
 
 class PassThrough(nn.Linear):

@@ -7,22 +7,29 @@ tolerance: what each check's registry entry compares (``compare``,
 :mod:`gpudiag.checks.compare_results`: gradcheck's per-strategy agreement and norm ratio,
 nancheck's status and first bad step per run, peer's wrong copies per direction, topology's
 link per pair). A check that cannot run here is ``skipped``
-with the reason and left out of the verdict. The two environments' differences are listed too.
+with the reason and left out of the verdict; a check that errored here shows its error. The
+verdict is ``match`` (exit 0), ``differs`` (exit 1) or ``nothing-compared`` (exit 3: no check
+could run here as it ran there — never a match). The two environments' differences are listed too.
 
 A bundle is input from someone else. Before anything runs, every recorded configuration is
 checked field by field (:mod:`gpudiag.repro.bundle_checks`: wrong types, unknown fields,
 sizes beyond its limits are an :class:`~gpudiag.errors.InputError` naming the field). Code the
 bundle names — a ``--model`` that is a Python file or module — runs only with
 ``trust=True`` (``--trust-bundle``); without it that check is skipped and the reason says
-what would run. gpudiag's built-in models and torchvision architectures are gpudiag's or
-torchvision's code, not the bundle's, and run (trained weights, which would be
-downloaded, are refused as bad input).
+what would run. A model file runs from the copy the bundle carries (``model/NAME.py``, or the
+``MODEL_SOURCES`` of an older bundle's ``repro.py``), whatever the folder replay runs in; only
+a bundle that carries none falls back to the path it names, on this machine. gpudiag's
+built-in models and torchvision architectures are gpudiag's or torchvision's code, not the
+bundle's, and run (trained weights, which would be downloaded, are refused as bad input).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpudiag.checks import registry
@@ -34,6 +41,8 @@ from gpudiag.repro.bundle_checks import check_configs
 SCHEMA = "gpudiag.replay/1"
 #: env sections whose differences are worth showing (not compared for the verdict).
 ENV_SECTIONS = ("versions", "visibility", "variables", "flags", "iommu", "packages", "gpus")
+#: Exit codes per verdict: nothing compared is not a match (no check could run here as there).
+EXIT_CODES = {"match": 0, "differs": 1, "nothing-compared": 3}
 
 
 @dataclass
@@ -77,16 +86,24 @@ class ReplayReport:
         return f"<ReplayReport {'match' if self.match else 'differs'} · checks {len(self.checks)}>"
 
     @property
+    def verdict(self) -> str:
+        """``match``, ``differs``, or ``nothing-compared`` when no check ran here as it ran there."""
+        if not any(c.compared for c in self.checks):
+            return "nothing-compared"
+        return "match" if all(c.match for c in self.checks) else "differs"
+
+    @property
     def match(self) -> bool:
-        return all(c.match for c in self.checks)
+        return self.verdict == "match"
 
     def exit_code(self) -> int:
-        return 0 if self.match else 1
+        return EXIT_CODES[self.verdict]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "bundle": self.bundle,
+            "verdict": self.verdict,
             "match": self.match,
             "trusted": self.trusted,
             "rehearsal": self.rehearsal,
@@ -98,7 +115,6 @@ class ReplayReport:
 def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> ReplayReport:
     """Re-run every check the bundle ran (not the ones it skipped) and compare. Every
     configuration is checked first; code named by the bundle runs only with ``trust``."""
-    recorded_checks = bundle.checks
     check_configs(bundle)
     if here is None:
         here = Here.detect()
@@ -106,15 +122,30 @@ def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> 
         here.machine_source = f"{bundle.path}/machine.json" if here.machine is not None else None
     # (what the recorded configurations name inside the bundle: its NCCL logs, its hang dumps)
     here = dataclasses.replace(here, files=bundle.files)
-    replays = []
+    replays: list[CheckReplay] = []
+    with tempfile.TemporaryDirectory(prefix="gpudiag-replay-") as folder:  # (the bundle's model files)
+        env_here = _replay_checks(bundle, here, trust, Path(folder), replays)
+    environment = env_differences(bundle.document.get("env"), env_here.result if env_here else None)
+    rehearsal = bundle.document.get("rehearsal")
+    rehearsal = rehearsal if isinstance(rehearsal, str) else None
+    return ReplayReport(bundle.path, replays, environment, trusted=trust, rehearsal=rehearsal)
+
+
+def _replay_checks(
+    bundle: Bundle, here: Here, trust: bool, folder: Path, replays: list[CheckReplay]
+) -> CheckRun | None:
+    """Run each recorded check again into ``replays``; the env check's run here, if any."""
     env_here: CheckRun | None = None
-    for recorded in recorded_checks:
+    for recorded in bundle.checks:
         if recorded.status == "skipped" or recorded.config is None:
             replays.append(
                 CheckReplay(recorded.name, recorded, None, note="skipped on the reporter's machine")
             )
             continue
         untrusted = None if trust else bundle_code(recorded.config)
+        config, carried = recorded.config, ""
+        if untrusted is None and trust:
+            config, carried = carried_model(recorded.config, bundle, folder)
         why = cannot_run_here(recorded, here)
         if untrusted is not None:
             now = CheckRun(recorded.name, "skipped", _untrusted_reason(untrusted), recorded.config)
@@ -122,7 +153,8 @@ def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> 
             now = CheckRun(recorded.name, "skipped", why, recorded.config)
         else:
             note(f"replay: {recorded.name}")
-            now = run_check(recorded.name, recorded.config, here)
+            now = run_check(recorded.name, config, here)
+            now.config = recorded.config  # (as the reporter gave it, not this replay's copy)
         if recorded.name == "env":
             env_here = now
         item = CheckReplay(recorded.name, recorded, now)
@@ -132,12 +164,62 @@ def replay(bundle: Bundle, here: Here | None = None, *, trust: bool = False) -> 
             item.note = f"cannot run here: {now.headline}"
         elif recorded.name != "env":
             item.differences = compare(recorded, now)
-            item.note = _meaning(recorded.status, now.status, item.differences)
+            item.note = "; ".join(filter(None, [_meaning(recorded, now, item.differences), carried]))
         replays.append(item)
-    environment = env_differences(bundle.document.get("env"), env_here.result if env_here else None)
-    rehearsal = bundle.document.get("rehearsal")
-    rehearsal = rehearsal if isinstance(rehearsal, str) else None
-    return ReplayReport(bundle.path, replays, environment, trusted=trust, rehearsal=rehearsal)
+    return env_here
+
+
+def carried_model(config: dict[str, Any], bundle: Bundle, folder: Path) -> tuple[dict[str, Any], str]:
+    """``config`` with a ``--model`` file replaced by the copy the bundle carries (written into
+    ``folder``), and a note saying which file ran; ``config`` as it is for other models."""
+    spec = config.get("model")
+    if not isinstance(spec, str):
+        return config, ""
+    text, mark, query = spec.partition("?")
+    target, _, attr = text.rpartition(":")
+    from gpudiag.models import BUNDLE_MODEL_FOLDER
+
+    if not (target.endswith(".py") or "/" in target):  # (mymodel:build, given beside mymodel.py)
+        carried = bundle.files.get(f"{BUNDLE_MODEL_FOLDER}/{target}.py")
+        if carried is None:
+            return config, ""
+        target = f"{target}.py"
+    name = Path(target).name
+    source = bundle.files.get(f"{BUNDLE_MODEL_FOLDER}/{name}")
+    if source is None:
+        source = _repro_sources(bundle).get(name)
+    if source is None:
+        return config, (
+            f"the bundle carries no copy of {name}: ran {target} of this machine"
+            if Path(target).is_file()
+            else ""
+        )
+    path = folder / name
+    path.write_bytes(source)
+    return {**config, "model": f"{path}:{attr}{mark}{query}"}, f"ran the bundle's copy of {name}"
+
+
+def _repro_sources(bundle: Bundle) -> dict[str, bytes]:
+    """``MODEL_SOURCES`` of the bundle's ``repro.py`` (where bundles before ``model/`` kept a
+    failing check's model file), read as a literal: nothing in it runs."""
+    data = bundle.files.get("repro.py")
+    if data is None:
+        return {}
+    try:
+        tree = ast.parse(data.decode("utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "MODEL_SOURCES":
+            try:
+                sources = ast.literal_eval(node.value) if node.value is not None else {}
+            except (ValueError, SyntaxError):
+                return {}
+            if isinstance(sources, dict):
+                return {
+                    k: v.encode() for k, v in sources.items() if isinstance(k, str) and isinstance(v, str)
+                }
+    return {}
 
 
 def _untrusted_reason(what: str) -> str:
@@ -205,10 +287,15 @@ def _codes(run: CheckRun) -> list[str]:
     return sorted({f.code for f in run.findings if f.severity != "info"})
 
 
-def _meaning(recorded: str, here: str, differences: list[str]) -> str:
+def _meaning(recorded_run: CheckRun, here_run: CheckRun, differences: list[str]) -> str:
     bad = ("fail", "error")
+    recorded, here = recorded_run.status, here_run.status
+    if here == "error":  # what went wrong here comes first: it is why nothing else was compared
+        return f"error here: {here_run.headline}"
     if not differences:
         return "same result"
+    if recorded == "error":
+        return f"error on the reporter's machine: {recorded_run.headline}"
     if recorded in bad and here not in bad:
         return "fails on the reporter's machine, passes here: hardware-specific (or see the environment)"
     if here in bad and recorded not in bad:

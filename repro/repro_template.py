@@ -434,10 +434,12 @@ def main(argv: list[str]) -> int:
     for name in wanted:
         cfg = CHECKS[name]
         print(f"== {name}: {cfg['observed']}")
-        if cfg.get("faults") or any(
-            p.get("faults") for p in cfg.get("pairs", []) + cfg.get("directions", [])
-        ):
-            print("   (with the faults the reporter injected: gpudiag --inject)")
+        faults = list(cfg.get("faults") or [])
+        for part in cfg.get("pairs", []) + cfg.get("directions", []):
+            faults += part.get("faults") or []
+        if faults:
+            specs = dict.fromkeys(f"--inject {f['spec']}" for f in faults if "spec" in f)
+            print(f"   (with the faults the reporter injected, as applied here: gpudiag {' '.join(specs)})")
         if CHECK_FUNCTIONS[name](copy.deepcopy(cfg)):
             shows.append(name)
     print(f"problem shows: {', '.join(shows)}" if shows else "the problem did not show")

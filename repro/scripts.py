@@ -40,10 +40,18 @@ def repro_script(failed: list[CheckRun]) -> str:
 
 
 def _faults(specs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
-    from gpudiag.runtime.faults import parse_fault
+    from gpudiag.runtime.faults import parse_fault, quoted
 
     return [
-        {"src": f.src, "dst": f.dst, "kind": f.kind, "step": f.step, "count": f.count, "factor": f.factor}
+        {
+            "src": f.src,
+            "dst": f.dst,
+            "kind": f.kind,
+            "step": f.step,
+            "count": f.count,
+            "factor": f.factor,
+            "spec": quoted(f.text),  # (as the script prints it: ready for a shell)
+        }
         for f in map(parse_fault, specs)
     ]
 

@@ -31,6 +31,7 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
 
     from gpudiag.checks.registry import names as check_names
     from gpudiag.checks.suite import Here  # (registers gpudiag's own checks)
+    from gpudiag.models import bundle_files as model_bundle_files
     from gpudiag.models import check_input_range, resolve_model
     from gpudiag.redact import Redactor
     from gpudiag.render import render
@@ -43,8 +44,9 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
     output = options["output"] or f"gpudiag-report-{stamp}"
     if bundle:
         check_destination(output, options["force"])
-    if options["model"]:
-        resolve_model(options["model"])
+    carried: dict[str, bytes] = {}
+    if options["model"]:  # (a model file travels in the bundle: replay runs that copy)
+        carried = model_bundle_files(resolve_model(options["model"]))
     check_input_range(options["input_dtype"], options["input_range"])
     nccl_logs = None
     if options.get("nccl_log"):
@@ -54,6 +56,7 @@ def _run_suite(kind: str, options: dict[str, Any]) -> Any:
 
         nccl_logs = read_logs(list(options["nccl_log"]))
     here = Here.detect(options["machine"])
+    here.files.update(carried)
     if options["pairs"] != "all" and here.gpus:  # without GPUs no check uses pairs
         from gpudiag.parsers import parse_pairs
 
@@ -159,8 +162,9 @@ def replay(ctx: click.Context, bundle: str, trust_bundle: bool, fmt: str) -> Non
     """Re-run a bundle's checks here and compare with what the reporter saw.
 
     Built-in models and torchvision architectures run; a model that is code the bundle
-    names runs only with --trust-bundle. A check that cannot run here is skipped with the
-    reason. Exit 0 when the results match, 1 when they differ, 2 for a damaged, oversized
+    names runs only with --trust-bundle (a model file from the copy the bundle carries). A
+    check that cannot run here is skipped with the reason. Exit 0 MATCH, 1 DIFFERS, 3
+    NOTHING COMPARED (no check could run here as it ran there), 2 for a damaged, oversized
     or malformed bundle or one from a newer gpudiag.
     """
     from gpudiag.progress import shown

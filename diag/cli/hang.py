@@ -66,13 +66,21 @@ _PLANNED: list[tuple[Path, list[str], Any]] = []
 )
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run_command(stall: float, confirm: float | None, out: str, script: str, args: tuple[str, ...]) -> None:
+@click.pass_context
+def run_command(
+    ctx: click.Context, stall: float, confirm: float | None, out: str, script: str, args: tuple[str, ...]
+) -> None:
     """Run SCRIPT ARGS (in each rank, under torchrun) as python would, with a hang
     watchdog: when an operation stays pending past --stall and then --confirm, every rank
     writes its flight record and Python stacks into DIR, the first rank prints the
     verdict and the job ends (exit 1). Otherwise the exit code is the script's."""
+    from gpudiag.cli.options import refuse_module, refuse_unknown_option
     from gpudiag.errors import InputError
     from gpudiag.hang.arm import prepare
+
+    if script == "-m":  # (not an option: torchrun's own -m must stay unmatched by ours)
+        refuse_module(args[0] if args else "")
+    refuse_unknown_option(ctx, script)  # (--stal 5: an option misspelt, not a script)
 
     path = Path(script)
     if not path.is_file():

@@ -148,14 +148,28 @@ def check_names(ctx: click.Context, param: click.Parameter, value: str | None) -
     return names
 
 
+class ChecksOption(click.Option):
+    """``--checks LIST`` whose help lists the checks registered when help is shown (the
+    registry, not a copy of it: importing it at start-up would cost every command)."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        import gpudiag.checks.suite  # noqa: F401  (registers gpudiag's own checks)
+        from gpudiag.checks.registry import names
+
+        every, suite = ", ".join(names()), ", ".join(names(suite_only=True))
+        self.help = (self.help or "").format(checks=every, suite=suite)
+        return super().get_help_record(ctx)
+
+
 def suite_options(command: Any) -> Any:
     """The options ``report`` and ``doctor`` share."""
     options = [
         click.option(
             "--checks",
+            cls=ChecksOption,
             callback=check_names,
             metavar="LIST",
-            help="Comma-separated: env, topology, peer, gradcheck, nancheck (default: all that apply here).",
+            help="Comma-separated, of {checks} (default: {suite}, those that apply here).",
         ),
         click.option(
             "-o",
@@ -339,3 +353,34 @@ def _choices_list(choices: tuple[str, ...]) -> Any:
         return names
 
     return parse
+
+
+def refuse_unknown_option(ctx: click.Context, word: str) -> None:
+    """A command that takes a script and its arguments (``run``) sees a misspelt option as the
+    script: ``--stal`` is "no such option --stal; did you mean --stall?" (exit 2)."""
+    if not word.startswith("-"):
+        return
+    import difflib
+
+    flag = word.split("=", 1)[0]
+    known = [opt for param in ctx.command.params for opt in param.opts if opt.startswith("-")]
+    close = difflib.get_close_matches(flag, known, n=1)
+    raise click.UsageError(f"no such option {flag}" + (f"; did you mean {close[0]}?" if close else ""))
+
+
+def refuse_module(module: str) -> None:
+    """``run -m MODULE`` is refused (exit 2) with the module's file where it can be found:
+    running a module as ``python -m`` does (its package, ``__main__``) is not supported yet."""
+    import importlib.util
+
+    if not module:
+        raise click.UsageError("-m needs a MODULE, and running one as python -m does is not supported yet")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None and spec.origin not in (None, "built-in", "frozen") else None
+    hint = f": gpudiag run {origin} ARGS" if origin else " as SCRIPT (path/to/train.py)"
+    raise click.UsageError(
+        f"-m {module}: running a module as python -m does is not supported yet; give its file{hint}"
+    )

@@ -9,7 +9,14 @@ from typing import Any
 import click
 
 from gpudiag.cli.group import cli
-from gpudiag.cli.options import FiniteFloatRange, check_names, format_option, inject_option, machine_option
+from gpudiag.cli.options import (
+    ChecksOption,
+    FiniteFloatRange,
+    check_names,
+    format_option,
+    inject_option,
+    machine_option,
+)
 
 
 def _render(verdict: Any, records: Any, run: Any, fmt: str) -> None:
@@ -82,9 +89,10 @@ def _refuse_run_options(ctx: click.Context) -> None:
 )
 @click.option(
     "--checks",
+    cls=ChecksOption,
     callback=check_names,
     metavar="LIST",
-    help="The node's own checks (default: env,topology,peer,nancheck).",
+    help="The node's own checks, of {checks} (default: env, topology, peer, nancheck).",
 )
 @machine_option(
     "machine", "This node's machine file or capture: its checks run on CPU virtual devices laid out like it."

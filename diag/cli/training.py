@@ -60,12 +60,21 @@ from gpudiag.cli.options import (
     GradcheckOptions, "loss", "strategies", "world_size", "steps", "lr", "optimizer", "dtype", "mode"
 )
 @click.option(
-    "--output",
+    "--model-output",
+    "output",
     default=None,
     callback=output_key,
     metavar="KEY",
     help="The part of the model's output the loss takes: an index into a tuple, or a dict key / "
     "attribute (default: the tensor, .logits, 'out', or a tuple's first element).",
+)
+@click.option(
+    "--output",
+    "old_output",
+    default=None,
+    callback=output_key,
+    hidden=True,
+    help="Deprecated spelling of --model-output (-o/--output is an output file or folder elsewhere).",
 )
 @declared_options(GradcheckOptions, "seed")
 @click.option(
@@ -84,6 +93,12 @@ def gradcheck(ctx: click.Context, strict: bool, fmt: str, trace: str | None, **o
 
     Exit 0 for pass or explained (1 with --strict), 1 for fail.
     """
+    old = options.pop("old_output")
+    if old is not None:
+        if options["output"] is not None:
+            raise click.UsageError("--output is the old spelling of --model-output: give one")
+        click.echo("gpudiag: note: --output KEY is now --model-output KEY (--output still works)", err=True)
+        options["output"] = old
     from gpudiag.gcpause import paused
     from gpudiag.progress import shown
 
@@ -229,7 +244,13 @@ def peer(
 @declared_options(BenchOptions, "epoch_samples", "steps", "warmup")
 @machine_option("machine")
 @declared_options(BenchOptions, "timeout")
-@click.option("-o", "output", metavar="FILE", help="Also write the result as JSON (gpudiag.bench/1) to FILE.")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    metavar="FILE",
+    help="Also write the result as JSON (gpudiag.bench/1) to FILE.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing -o FILE.")
 @click.option("--compare", nargs=2, metavar="BEFORE AFTER", help="Compare two -o files instead of measuring.")
 @format_option(("text", "json", "markdown"))
@@ -288,3 +309,21 @@ def bench(
         atomic_write(output, json.dumps(result.to_json(), indent=2) + "\n", force=force)
     render("bench", result, fmt, sys.stdout)
     ctx.exit(result.exit_code())
+
+
+@cli.command(
+    "watch",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def watch_command(ctx: click.Context) -> None:
+    """Not a command: gpudiag.watch(model) goes in your training script (docs/watch.md)."""
+    click.echo(
+        "gpudiag: error: watch is not a command but a Python call in your training script:\n"
+        "    import gpudiag\n"
+        "    model = gpudiag.watch(model)   # names the rank, module, step and phase of the first NaN/Inf\n"
+        "see docs/watch.md; for a job that hangs: torchrun ... -m gpudiag run --stall 300 train.py",
+        err=True,
+    )
+    ctx.exit(2)

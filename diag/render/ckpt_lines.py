@@ -47,15 +47,25 @@ def inspect_lines(doc: dict[str, Any]) -> list[str]:
         fix = m.get("transformation")
         if m.get("loads_strictly"):
             lines.append("  loads strictly into --model as it is")
+        elif fix:
+            lines.append(f"  does NOT load strictly into --model as it is; fix: {fix}")
         else:
-            how = f"fix: {fix}" if fix else "no renaming of prefixes makes it load"
-            lines.append(f"  does NOT load strictly into --model as it is; {how}")
+            lines.append(f"  does NOT load strictly into --model: {_no_fix(m)}")
+        renames = m.get("renames") or []
+        remains = renames[0] if renames and renames[0]["rename"] != "as it is" and not fix else m
         for what in ("missing", "unexpected"):
-            if m.get(what):
-                lines.append(f"    {len(m[what])} {what}, e.g. {m[what][:3]}")
-        for mismatch in (m.get("shape_mismatches") or [])[:3]:
+            if remains.get(what):
+                lines.append(f"    {len(remains[what])} {what}, e.g. {remains[what][:3]}")
+        for mismatch in (remains.get("shape_mismatches") or [])[:3]:
             lines.append(
                 f"    shape {mismatch['key']}: checkpoint {mismatch['checkpoint']}, model {mismatch['model']}"
+            )
+        if len(renames) > 1 and not m.get("loads_strictly"):
+            some = [f"{r['rename']}: {r['fits']}" for r in renames if r["fits"]]
+            none = len(renames) - len(some)
+            lines.append(
+                f"    keys each renaming fits (of {renames[0]['keys']}): "
+                + "; ".join(some + ([f"{none} other(s): 0"] if none else []))
             )
     else:
         for sd in doc["state_dicts"]:
@@ -81,6 +91,30 @@ def inspect_lines(doc: dict[str, Any]) -> list[str]:
             value = f" = {e['value']!r}" if e["value"] is not None else ""
             lines.append(f"  {e['key']}: {e['kind']}{value}")
     return lines
+
+
+def _no_fix(model: dict[str, Any]) -> str:
+    """Why no renaming makes it load, from the best renaming: what it fixes and what remains."""
+    renames = model.get("renames") or []
+    if not renames:
+        return "no renaming of prefixes makes it load"
+    best = renames[0]
+    if not best["fits"]:
+        return (
+            f"no renaming of prefixes makes any of its {best['keys']} keys fit: another model's checkpoint?"
+        )
+    left = []
+    if best["shape_mismatches"]:
+        left.append(f"{len(best['shape_mismatches'])} shape(s) differ")
+    if best["missing"]:
+        left.append(f"{len(best['missing'])} key(s) missing")
+    if best["unexpected"]:
+        left.append(f"{len(best['unexpected'])} unexpected")
+    where = f"{best['rename']} fixes" if best["rename"] != "as it is" else "as it is, it fits"
+    return (
+        f"{where} {best['fits']} of {best['keys']} keys; left: {', '.join(left)} (below) — "
+        "no renaming fixes those: the model is not the checkpoint's (e.g. another class count)"
+    )
 
 
 def keys_summary(sd: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 from typing import Any, TextIO
 
 from gpudiag.render.markdown import finding_lines, table
@@ -48,7 +49,7 @@ def report_markdown(report: Any) -> str:
     here = doc["here"]
     out = []
     if report.rehearsal:  # before anything else: the failures below were planted
-        specs = " ".join(f"`--inject {spec}`" for spec in report.injected)
+        specs = " ".join(f"`--inject {shlex.quote(spec)}`" for spec in report.injected)
         out += [
             f"> **Rehearsal with injected faults:** {specs}. Failures they cause below were planted "
             "by gpudiag to test its detectors, not found on the machine.",
@@ -57,7 +58,8 @@ def report_markdown(report: Any) -> str:
     out += [
         "# gpudiag report",
         "",
-        f"gpudiag {doc['gpudiag']} · torch {doc['torch']} · {doc['created']} · `{' '.join(doc['command'])}`",
+        f"gpudiag {doc['gpudiag']} · torch {doc['torch']} · {doc['created']} · "
+        f"`{shlex.join(doc['command'])}`",
         "",
         f"Here: {here['cuda_gpus']} CUDA GPU(s); NVML {'ok' if here['nvml'] == 'ok' else 'not available'}"
         + (

@@ -326,10 +326,16 @@ def ckpt_convert(result: Any, stream: TextIO) -> None:
 
 def _peer_lines(report: Any) -> list[str]:
     """Plain lines shared by the text and markdown views of ``peer``."""
-    from gpudiag.runtime.faults import rehearsal
+    from gpudiag.runtime.faults import quoted, rehearsal
 
     sentence = rehearsal(getattr(report, "inject", []))
     lines = [capitalised(sentence)] if sentence else []
+    unfired = getattr(report, "unfired", [])
+    if unfired:
+        lines.append(
+            "Not fired: " + " ".join(f"--inject {quoted(s)}" for s in unfired) + " hit no copy and no "
+            "all-reduce, so nothing below was planted by it"
+        )
     if report.verdict == "skipped":
         lines.append(f"peer SKIPPED · {report.reason}")
     else:
@@ -347,6 +353,8 @@ def _peer_lines(report: Any) -> list[str]:
         if r.allreduce:
             for label, res in r.allreduce.items():
                 state = "hung" if res.get("hung") else f"{res.get('wrong')} wrong"
+                if (res.get("first_wrong_step") or 1) > 1:
+                    state += f" (from step {res['first_wrong_step']})"
                 lines.append(f"    all-reduce {label}: {state}")
     host = report.host
     lines.append(

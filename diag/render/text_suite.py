@@ -76,7 +76,14 @@ def _suite(out: Any, report: Any, doctor: bool) -> None:
 
 def replay_lines(report: Any) -> list[str]:
     """Plain lines of a replay (text and Markdown views)."""
-    lines = [f"replay of {report.bundle}: {'MATCH' if report.match else 'DIFFERS'}"]
+    verdict = getattr(report, "verdict", "match" if report.match else "differs")
+    head = f"replay of {report.bundle}: {verdict.replace('-', ' ').upper()}"
+    left = [c.name for c in report.checks if not c.compared and c.name != "env" and c.here is not None]
+    if verdict == "nothing-compared":
+        head += " — no check ran here as it ran there (see why below)"
+    elif left:
+        head += f" (not compared: {', '.join(left)}; see why below)"
+    lines = [head]
     if getattr(report, "rehearsal", None):
         lines.append(f"  the bundle is a {report.rehearsal}")
     for c in report.checks:

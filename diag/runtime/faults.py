@@ -1,6 +1,7 @@
 """Fault injection: one grammar for every command that runs the runtime.
 
-``--inject SRC->DST:KIND[@STEP][xCOUNT]`` (repeatable):
+``--inject SRC->DST:KIND[@STEP][xCOUNT]`` (repeatable; ``SRC-DST:…`` is the same spec and
+survives an unquoted shell, which reads ``>`` as a redirection):
 
 - ``SRC``, ``DST``: device (``dp``) or rank (``ddp``) numbers, or ``*`` for any;
 - ``KIND``: ``nan`` / ``inf`` (the first element becomes NaN / +inf), ``zero`` (all zeros),
@@ -10,13 +11,15 @@
 
 In ``dp`` a fault corrupts what arrives at DST over a transfer from SRC (any phase). In
 ``ddp`` it corrupts what rank DST receives from the all-reduce, attributed to link SRC→DST.
-Examples: ``5->6:nan@3``, ``*->1:bitflip x2``, ``0->1:scale=1e4@2x1``.
+Examples: ``5->6:nan@3`` (or ``5-6:nan@3``), ``*->1:bitflip x2``, ``0->1:scale=1e4@2x1``.
+Wherever gpudiag prints a spec it quotes it for the shell (:func:`quoted`).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +27,16 @@ from typing import Any
 from gpudiag.errors import InputError
 
 GRAMMAR = (
-    "SRC->DST:KIND[@STEP][xCOUNT] with KIND one of nan, inf, zero, bitflip, scale=F; SRC/DST a number or *"
+    "SRC->DST:KIND[@STEP][xCOUNT] (or SRC-DST:…) with KIND one of nan, inf, zero, bitflip, scale=F; "
+    "SRC/DST a number or *"
 )
+#: What a refused spec adds: an unquoted ``5->6:nan@3`` reaches gpudiag as ``5-`` (the shell
+#: sends the output to a file named ``6:nan@3``).
+QUOTE_HINT = "quote the spec (--inject '5->6:nan@3') or write it without '>' (--inject 5-6:nan@3)"
 KINDS = ("nan", "inf", "zero", "bitflip", "scale")
 
 _SPEC = re.compile(
-    r"^\s*(?P<src>\*|[0-9]+)\s*->\s*(?P<dst>\*|[0-9]+)\s*:\s*(?P<kind>nan|inf|zero|bitflip|scale=(?P<factor>[^@x\s]+))"
+    r"^\s*(?P<src>\*|[0-9]+)\s*->?\s*(?P<dst>\*|[0-9]+)\s*:\s*(?P<kind>nan|inf|zero|bitflip|scale=(?P<factor>[^@x\s]+))"
     r"\s*(?:@\s*(?P<step>[0-9]+))?\s*(?:x\s*(?P<count>[0-9]+))?\s*$"
 )
 #: The top exponent bit per element size in bytes: flipping it turns 1.0 into inf/huge.
@@ -67,8 +74,24 @@ class Fault:
         )
 
 
+#: What an unquoted ``SRC->DST…`` leaves after the shell took ``>`` as a redirection.
+_CUT_BY_SHELL = re.compile(r"^\s*(\*|[0-9]+)\s*-\s*$")
+
+
+def quoted(spec: str) -> str:
+    """``spec`` as the shell must be given it: ``'5->6:nan@3'`` (``5-6:nan@3`` needs no quotes)."""
+    return shlex.quote(spec)
+
+
 def _bad(spec: str, why: str = "") -> InjectSpecError:
-    return InjectSpecError(f"bad --inject {spec!r}: {why + '; ' if why else ''}expected {GRAMMAR}")
+    if not why and _CUT_BY_SHELL.match(spec):
+        why = (
+            "the shell took '>' for a redirection and passed only this (it may have created a file "
+            "named after the rest of the spec)"
+        )
+    return InjectSpecError(
+        f"bad --inject {quoted(spec)}: {why + '; ' if why else ''}expected {GRAMMAR}; {QUOTE_HINT}"
+    )
 
 
 def parse_fault(spec: str) -> Fault:
@@ -101,7 +124,7 @@ def check_fires(specs: Sequence[str], runs: Sequence[Sequence[int]], steps: int 
     for spec in specs:
         why = why_it_cannot_fire(spec, runs, steps)
         if why is not None:
-            raise InjectSpecError(f"--inject {spec!r} can never fire: {why}; nothing was run")
+            raise InjectSpecError(f"--inject {quoted(spec)} can never fire: {why}; nothing was run")
 
 
 def can_fire(spec: str, runs: Sequence[Sequence[int]], steps: int | None) -> bool:
@@ -127,7 +150,7 @@ def rehearsal(specs: Sequence[str]) -> str | None:
     """One sentence saying faults were injected on purpose, and which (None: none were)."""
     if not specs:
         return None
-    flags = " ".join(f"--inject {s}" for s in specs)
+    flags = " ".join(f"--inject {quoted(s)}" for s in specs)
     return (
         f"rehearsal with injected faults ({flags}): failures they cause were planted by gpudiag "
         "to test its detectors, not found on the machine"

@@ -36,6 +36,7 @@ from gpudiag.repro.checkpoint.reading import (
     match_report,
     model_keys,
     plan_for_model,
+    rename_report,
     state_dicts,
 )
 
@@ -174,6 +175,7 @@ def inspect(path: str | os.PathLike[str], *, model: str | None = None, trust: bo
                 "state_dict": K.path_text(where),
                 **match_report(state, target),
                 "transformation": _plan_text(plan) if plan is not None else None,
+                "renames": rename_report(where, state, target),
             }
     warnings = []
     if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):

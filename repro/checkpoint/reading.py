@@ -214,14 +214,46 @@ def match_report(state: dict[str, Any], target: dict[str, tuple[int, ...]]) -> d
     }
 
 
-def plan_for_model(path: K.Path, state: dict[str, Any], target: dict[str, tuple[int, ...]]) -> K.Plan | None:
-    """The renaming that makes ``state`` load strictly into the model, or None."""
+def candidate_plans(path: K.Path, state: dict[str, Any]) -> list[K.Plan]:
+    """The renamings tried against a model: none, the wrapper prefixes peeled, and each
+    wrapper prefix added after that."""
     auto = K.auto_plan(path, state)
     candidates = [K.Plan(path), auto]
     for p in K.WRAPPER_PREFIXES:
         candidates.append(K.Plan(path, list(auto.strip), p))
-    for plan in candidates:
+    return candidates
+
+
+def plan_for_model(path: K.Path, state: dict[str, Any], target: dict[str, tuple[int, ...]]) -> K.Plan | None:
+    """The renaming that makes ``state`` load strictly into the model, or None."""
+    for plan in candidate_plans(path, state):
         renamed = {plan.rename(k): v for k, v in state.items()}
         if len(renamed) == len(state) and match_report(renamed, target)["loads_strictly"]:
             return plan
     return None
+
+
+def plan_text(plan: K.Plan) -> str:
+    """A renaming as ``ckpt convert``'s options (``--strip module.``), or ``as it is``."""
+    parts = [f"--strip {p}" for p in plan.strip] + ([f"--add {plan.add}"] if plan.add else [])
+    return " ".join(parts) if parts else "as it is"
+
+
+def rename_report(
+    path: K.Path, state: dict[str, Any], target: dict[str, tuple[int, ...]]
+) -> list[dict[str, Any]]:
+    """What each renaming fixes, best first: ``fits`` — the model's keys the renamed state
+    dict then fills with the right shape, of ``keys`` — and what remains (the missing and
+    unexpected keys, the shape mismatches). A DataParallel checkpoint of a 10-class
+    resnet18 against the 1000-class model: ``--strip module.`` fits 120 of 122, the head's
+    two shapes remain — a different model, not a naming problem."""
+    out: dict[str, dict[str, Any]] = {}
+    for plan in candidate_plans(path, state):
+        renamed = {plan.rename(k): v for k, v in state.items()}
+        text = plan_text(plan)
+        if text in out or len(renamed) != len(state):  # (a renaming that merges keys is no fix)
+            continue
+        report = match_report(renamed, target)
+        fits = sum(1 for k, v in renamed.items() if k in target and _shape(v) == target[k])
+        out[text] = {"rename": text, "fits": fits, "keys": len(target), **report}
+    return sorted(out.values(), key=lambda r: -r["fits"])

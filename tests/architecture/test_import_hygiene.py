@@ -27,7 +27,7 @@ print("HEAVY=" + ",".join(heavy))
         "from gpudiag.cli import cli\ntry:\n    cli(['doctor', '--checks', 'env', '--help'])\n"
         "except SystemExit:\n    pass",
         # options are parsed (and --inject checked) before the command imports torch
-        "from gpudiag.cli import cli\ntry:\n    cli(['gradcheck', '--model', 'mlp', '--inject', '0-1:nan'])\n"
+        "from gpudiag.cli import cli\ntry:\n    cli(['gradcheck', '--model', 'mlp', '--inject', '0=1:nan'])\n"
         "except SystemExit:\n    pass",
         "import gpudiag.runtime.faults, gpudiag.runtime",
     ],

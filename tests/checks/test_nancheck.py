@@ -230,9 +230,9 @@ def test_trace_holds_every_run(tmp_path) -> None:  # type: ignore[no-untyped-def
 
 def test_a_standalone_rehearsal_says_so_first() -> None:
     code, doc = nancheck("--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3")
-    assert code == 1 and doc["rehearsal"].startswith("rehearsal with injected faults (--inject 5->6:nan@3)")
+    assert code == 1 and doc["rehearsal"].startswith("rehearsal with injected faults (--inject '5->6:nan@3')")
     text = invoke(["nancheck", "--machine", SEED, "--pairs", "5-6", "--steps", "4", "--inject", "5->6:nan@3"])
-    assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:nan@3)")
+    assert text.stdout.startswith("Rehearsal with injected faults (--inject '5->6:nan@3')")
     assert nancheck("--pairs", "5-6", "--steps", "4")[1]["rehearsal"] is None
 
 

@@ -160,6 +160,45 @@ def test_a_peer_rehearsal_says_so_first() -> None:
     machine = str(SEED_MACHINE)
     args = ["peer", "--machine", machine, "--pairs", "5-6", "--sizes", "4K", "--inject", "5->6:zero"]
     text = invoke(args)
-    assert text.stdout.startswith("Rehearsal with injected faults (--inject 5->6:zero)"), text.stdout
+    assert text.stdout.startswith("Rehearsal with injected faults (--inject '5->6:zero')"), text.stdout
     doc = json.loads(invoke([*args, "--format", "json"]).stdout)
     assert doc["rehearsal"].startswith("rehearsal with injected faults")
+
+
+def test_peer_honours_the_step_of_a_fault() -> None:
+    """Issue 47: ``peer --inject '5->6:nan@3'`` reported PASS under the rehearsal banner (its
+    copies and all-reduce were all step 1). Each round of copies is a step: @3 adds a third."""
+    report = peer(
+        machine=load_machine(SEED),
+        pairs="5-6",
+        sizes=(4096,),
+        inject=("5-6:nan@3",),
+        runner=Canned({}, {}, {}),
+    )
+    assert report.verdict == "fail" and report.unfired == []
+    forward = next(r for r in report.pairs if (r.src, r.dst) == (5, 6))
+    assert [c["step"] for c in forward.copies] == [1, 1, 2, 2, 3, 3]  # fp32, fp16 per round
+    assert [c["step"] for c in forward.copies if c["wrong"]] == [3, 3]
+    assert forward.allreduce is not None and forward.allreduce["configured"]["first_wrong_step"] == 3
+    first = {f.code: f for f in report.findings}["p2p-copy-mismatch"]
+    assert "step 3" in first.message
+
+
+def test_a_step_beyond_the_last_round_is_refused_before_anything_runs() -> None:
+    from gpudiag.checks.peer import MAX_ROUNDS
+    from gpudiag.runtime.faults import InjectSpecError
+
+    with pytest.raises(InjectSpecError, match="can never fire"):
+        peer(machine=load_machine(SEED), pairs="5-6", inject=(f"5->6:nan@{MAX_ROUNDS + 1}",))
+
+
+def test_a_fault_that_hit_nothing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rehearsal whose fault never fired must not read as a pass of a planted fault."""
+    from gpudiag.runtime.faults import FaultPlan
+
+    monkeypatch.setattr(FaultPlan, "due", lambda self, src, dst, step: [])
+    monkeypatch.setattr(FaultPlan, "due_on_rank", lambda self, rank, step: [])
+    args = ["peer", "--machine", SEED, "--pairs", "5-6", "--sizes", "4K", "--inject", "5->6:nan@2"]
+    text = invoke(args)
+    assert text.exit_code == 0, text.output
+    assert text.stdout.splitlines()[1].startswith("Not fired: --inject '5->6:nan@2' hit no copy")

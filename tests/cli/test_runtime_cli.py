@@ -31,9 +31,18 @@ def test_inject_is_repeatable_and_reaches_the_runtime() -> None:
 
 
 def test_bad_inject_is_a_usage_error_showing_the_grammar() -> None:
-    result = CliRunner().invoke(probe, ["--inject", "0-1:nan"])
+    result = CliRunner().invoke(probe, ["--inject", "0=>1:nan"])
     assert result.exit_code == 2
     assert "SRC->DST:KIND[@STEP][xCOUNT]" in result.output
+    cut = CliRunner().invoke(probe, ["--inject", "0-"])  # what a shell leaves of 0->1:nan unquoted
+    assert cut.exit_code == 2 and "quote the spec (--inject '5->6:nan@3')" in cut.output
+
+
+def test_a_spec_without_the_arrow_survives_the_shell() -> None:
+    """Issue 47: 5-6:nan@3 is 5->6:nan@3, with nothing for a shell to redirect."""
+    result = CliRunner().invoke(probe, ["--inject", "0-1:nan@2"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == ["0->1:nan@2"]  # (the runtime reads it as that)
 
 
 def test_trace_file_is_chrome_trace_or_jsonl(tmp_path: Path) -> None:

@@ -124,6 +124,33 @@ def test_inspect_model_verdict_first_keys_summarised_exit_1_when_it_does_not_loa
     assert inspect(src, model=spec).exit_code() == 1 and inspect(fixed, model=spec).exit_code() == 0
 
 
+def test_inspect_says_what_each_renaming_fixes_and_what_remains(tmp_path: Path) -> None:
+    """Issue 47: a 10-class DataParallel resnet18 against the 1000-class model read "no
+    renaming of prefixes makes it load"; stripping module. fixes 120 of its 122 keys and
+    only the head's shape differs."""
+    torchvision = pytest.importorskip("torchvision")
+    src = tmp_path / "dp.pt"
+    torch.save(nn.DataParallel(torchvision.models.resnet18(num_classes=10)).state_dict(), src)
+    report = inspect(src, model="torchvision:resnet18")
+    assert report.model is not None and report.model["transformation"] is None
+    best, *others = report.model["renames"]
+    assert (best["rename"], best["fits"], best["keys"]) == ("--strip module.", 120, 122)
+    assert best["missing"] == best["unexpected"] == []
+    assert [m["key"] for m in best["shape_mismatches"]] == ["fc.weight", "fc.bias"]
+    assert {r["rename"]: r["fits"] for r in others}["as it is"] == 0
+    text = invoke(["ckpt", "inspect", str(src), "--model", "torchvision:resnet18"])
+    assert text.exit_code == 1
+    lines = text.output.splitlines()
+    assert lines[1].startswith(
+        "  does NOT load strictly into --model: --strip module. fixes 120 of 122 keys;"
+    )
+    assert "2 shape(s) differ" in lines[1] and "no renaming" in lines[1]
+    assert lines[2] == "    shape fc.weight: checkpoint [10, 512], model [1000, 512]"
+    assert "missing" not in text.output  # (what remains after the best renaming, not before it)
+    unrelated = invoke(["ckpt", "inspect", str(src), "--model", "mlp"])
+    assert unrelated.exit_code == 1 and "makes any of its 4 keys fit" in unrelated.output.splitlines()[1]
+
+
 def test_compile_and_nested_wrappers_are_peeled(tmp_path: Path) -> None:
     compiled = torch.compile(nn.DataParallel(small()))
     sd = compiled.state_dict()

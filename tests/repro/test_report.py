@@ -258,7 +258,7 @@ def test_report_refuses_an_existing_bundle_and_bad_input(tmp_path: Path) -> None
         (["--model", "nope-model"], "bad --model"),
         (["--machine", str(tmp_path / "missing.txt")], "does not exist"),
         (["-o", str(tmp_path / "no" / "such" / "dir")], "does not exist"),
-        (["--inject", "1-0:nan"], "Invalid value for '--inject'"),
+        (["--inject", "1=>0:nan"], "Invalid value for '--inject'"),
     ):
         output = [] if "-o" in args else ["-o", str(tmp_path / "x")]
         result = invoke(["report", "--checks", "env", *output, *args])
@@ -409,11 +409,12 @@ def test_doctor_on_a_capture_says_simulated_and_rehearsal(tmp_path: Path) -> Non
     text = invoke([*args, "--inject", "0->1:nan@2", "--no-bundle"])
     assert text.exit_code == 1, text.output
     lines = text.stdout.splitlines()
-    assert lines[0].startswith("Rehearsal with injected faults (--inject 0->1:nan@2)")
+    assert lines[0].startswith("Rehearsal with injected faults (--inject '0->1:nan@2')")
     assert f"Simulated: peer and nancheck ran on CPU virtual devices laid out like {SEED_CAPTURE}" in lines[2]
     rows = {line.split()[0]: line for line in lines if line.startswith(" ")}
     assert " warning " in rows["topology"] and "simulated" not in rows["topology"]  # the capture's own data
-    assert "fail (simulated)" in rows["nancheck"] and "pass (simulated)" in rows["peer"]
+    assert "fail (simulated)" in rows["nancheck"]
+    assert "fail (simulated)" in rows["peer"] and "step 2" in rows["peer"]  # @2 honoured (issue 47)
     doc = json.loads(invoke([*args, "--format", "json", "--no-bundle"]).stdout)
     checks = {c["name"]: c for c in doc["checks"]}
     assert (checks["peer"]["status"], checks["peer"]["simulated"]) == ("pass", True)
@@ -427,7 +428,7 @@ def test_a_rehearsal_bundle_says_so_first(seed_bundle: Path) -> None:
     """Issue 17: that faults were injected appeared only inside the command line."""
     files = bundle_bytes(seed_bundle)
     md = files["REPORT.md"].decode()
-    assert md.startswith("> **Rehearsal with injected faults:** `--inject 1->0:nan@1`.")
+    assert md.startswith("> **Rehearsal with injected faults:** `--inject '1->0:nan@1'`.")
     assert md.index("Rehearsal") < md.index("# gpudiag report")
     doc = json.loads(files["report.json"])
     assert doc["injected_faults"] == ["1->0:nan@1"] and "planted by gpudiag" in doc["rehearsal"]
@@ -547,7 +548,7 @@ def test_replay_runs_no_code_the_bundle_names(tmp_path: Path) -> None:
         tmp_path / "b", [gradcheck_entry(model=f"{evil}:build"), {**gradcheck_entry(model="this:x")}]
     )
     result = invoke(["replay", str(bundle), "--format", "json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # nothing compared (issue 47: it said MATCH, exit 0)
     assert not marker.exists() and "Zen of Python" not in result.output
     doc = json.loads(result.output)
     assert doc["trusted"] is False
@@ -636,7 +637,7 @@ def test_replay_skips_what_cannot_run_here(tmp_path: Path) -> None:
     gradcheck["result"] = {"config": {"devices": {"kind": "cuda", "ids": [0, 1]}}, "comparisons": []}
     bundle = write_doc(tmp_path / "b", [peer, topology, gradcheck])
     result = invoke(["replay", str(bundle), "--format", "json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # nothing compared: not a match (issue 47)
     doc = json.loads(result.output)
     assert [c["here"]["status"] for c in doc["checks"]] == ["skipped"] * 3
     notes = [c["note"] for c in doc["checks"]]
@@ -854,8 +855,13 @@ def test_replay_fuzz(
     assert result.exit_code in (0, 1, 2, 3), result.output
     assert "internal error" not in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    if result.exit_code == 3:
-        assert "cannot run" in result.output
+    if result.exit_code == 3:  # nothing compared: each check says why, or there was none
+        doc = json.loads(result.output)
+        assert doc["verdict"] == "nothing-compared"
+        assert all(
+            c["here"] is None or c["here"]["status"] == "skipped" for c in doc["checks"] if c["name"] != "env"
+        )
+        assert all(c["note"] for c in doc["checks"] if c["name"] != "env")
 
 
 def test_each_check_gets_only_the_injections_it_can_fire() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gpudiag.runtime.faults import Fault, FaultPlan, InjectSpecError, corrupt, parse_fault
+from gpudiag.runtime.faults import Fault, FaultPlan, InjectSpecError, corrupt, parse_fault, quoted, rehearsal
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,8 @@ from gpudiag.runtime.faults import Fault, FaultPlan, InjectSpecError, corrupt, p
         ("0->*:scale=1e4@2x1", Fault(0, None, "scale", 2, 1, 1e4)),
         (" 2 -> 3 : zero ", Fault(2, 3, "zero", 1, None)),
         ("*->*:inf@10", Fault(None, None, "inf", 10, None)),
+        ("5-6:nan@3", Fault(5, 6, "nan", 3, None)),  # (issue 47: what survives an unquoted shell)
+        ("*-1:zero", Fault(None, 1, "zero", 1, None)),
     ],
 )
 def test_grammar(spec: str, fault: Fault) -> None:
@@ -27,13 +29,42 @@ def test_grammar(spec: str, fault: Fault) -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["", "5-6:nan", "5->6", "5->6:boom", "a->6:nan", "5->6:nan@0", "5->6:nan x0", "5->6:scale=abc"]
+    "spec",
+    [
+        "",
+        "5->6",
+        "56:nan",
+        "5=>6:nan",
+        "5->6:boom",
+        "a->6:nan",
+        "5->6:nan@0",
+        "5->6:nan x0",
+        "5->6:scale=abc",
+    ],
 )
 def test_bad_specs_are_usage_errors_showing_the_grammar(spec: str) -> None:
     with pytest.raises(InjectSpecError) as info:
         parse_fault(spec)
     assert info.value.exit_code == 2
     assert "SRC->DST:KIND" in str(info.value)
+    assert "quote the spec (--inject '5->6:nan@3')" in str(info.value)
+
+
+@pytest.mark.parametrize("cut", ["5-", "5 -", "*-"])
+def test_a_spec_the_shell_cut_at_its_redirection_says_to_quote_it(cut: str) -> None:
+    """Issue 47: unquoted, ``--inject 5->6:nan@3`` reaches gpudiag as ``5-`` (the shell writes
+    a file ``6:nan@3``); the error said only ``bad --inject '5-'``."""
+    with pytest.raises(InjectSpecError) as info:
+        parse_fault(cut)
+    text = str(info.value)
+    assert "the shell took '>' for a redirection" in text and "--inject 5-6:nan@3" in text
+
+
+def test_specs_are_printed_quoted_for_the_shell() -> None:
+    """Issue 47: gpudiag printed ``--inject 5->6:nan@3`` bare, which a shell turns into a file."""
+    assert quoted("5->6:nan@3") == "'5->6:nan@3'" and quoted("5-6:nan@3") == "5-6:nan@3"
+    sentence = rehearsal(["5->6:nan@3", "*->1:zero"]) or ""
+    assert "--inject '5->6:nan@3' --inject '*->1:zero'" in sentence
 
 
 def test_plan_counts_hits_from_the_first_step() -> None:
