@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gpudiag.errors import InputError
 from gpudiag.repro.sweep.node import Identity, SweepOptions
@@ -93,7 +93,8 @@ def agree_on_output(
             if refusal is not None:
                 others = [f"{prefix}read/{r}" for r in range(1, ident.world)]
                 end = time.monotonic() + min(timeout, REFUSAL_WAIT_S)
-                while time.monotonic() < end and not store.check(others):
+                # (cast: torch 2.6's TCPStore stub has no check)
+                while time.monotonic() < end and not cast(Any, store).check(others):
                     time.sleep(0.05)
             return
         store.wait([key], datetime.timedelta(seconds=timeout))
@@ -144,6 +145,6 @@ def posted_records(nodes: int, env: Mapping[str, str], timeout: float) -> dict[i
         for number in range(nodes):
             key = f"{prefix}{number}"
             with contextlib.suppress(Exception):
-                if store.check([key]):
+                if cast(Any, store).check([key]):
                     found[number] = store.get(key).decode()
     return found

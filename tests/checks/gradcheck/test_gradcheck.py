@@ -179,7 +179,7 @@ def test_mse_loss_and_text_and_markdown() -> None:
     [
         (["--model", "torchvision:resnet19"], "did you mean resnet18"),
         (["--model", "nope.py:f"], "does not exist"),
-        (["--model", "mlp", "--inject", "1-0:nan"], "SRC->DST:KIND"),
+        (["--model", "mlp", "--inject", "1-0:sparkle"], "SRC->DST:KIND"),  # (1-0:nan is a spec now)
         (["--model", "mlp", "--input-shape", "3,x"], "bad shape"),
         (["--model", "mlp", "--strategies", "single,fsdp"], "single, dp, ddp"),
     ],
