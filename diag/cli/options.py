@@ -288,7 +288,8 @@ def input_shape_option(
 class ChoiceOrFunction(click.Choice):
     """One of the choices, or ``FILE.py:NAME`` (checked when the command resolves it)."""
 
-    def get_metavar(self, param: Any, *args: Any) -> str:
+    def get_metavar(self, param: Any, *args: Any, **kwargs: Any) -> str:
+        """(click ≥ 8.2 passes ``ctx`` by keyword, older clicks nothing more.)"""
         return "[" + "|".join(str(c) for c in self.choices) + "|FILE.py:NAME]"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
