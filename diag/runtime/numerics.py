@@ -68,6 +68,12 @@ LEGACY_SWITCHES: dict[str, str | None] = {
 }
 
 
+def _new_interface() -> bool:
+    """Whether this torch has the ``fp32_precision`` interface (2.9 and newer; its matmul
+    knob is on every build)."""
+    return _backend("cuda.matmul") is not None
+
+
 def _legacy_switch(path: str) -> Any:
     """``torch.backends.<path>`` if it has an ``allow_tf32`` switch, else None."""
     obj: Any = torch.backends
@@ -147,7 +153,10 @@ class Numerics:
         precisions = {}
         for name, path in PRECISION_KNOBS.items():
             backend = _backend(path)
-            precisions[name] = str(backend.fp32_precision) if backend is not None else _legacy_precision(name)
+            if backend is not None:
+                precisions[name] = str(backend.fp32_precision)
+            else:  # (a build without this one backend; or a torch without the interface at all)
+                precisions[name] = ABSENT if _new_interface() else _legacy_precision(name)
         if not torch.are_deterministic_algorithms_enabled():
             algorithms = "off"
         elif torch.is_deterministic_algorithms_warn_only_enabled():
@@ -168,7 +177,8 @@ class Numerics:
         for name, path in PRECISION_KNOBS.items():
             backend, value = _backend(path), getattr(self, name)
             if backend is None:
-                _set_legacy(name, value)
+                if not _new_interface():
+                    _set_legacy(name, value)
             elif value != ABSENT:
                 backend.fp32_precision = value
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
