@@ -19,6 +19,7 @@ from torch import nn
 
 from gpudiag.checks.gradcheck.explain import sites_text
 from gpudiag.checks.gradcheck.trainmode import Site, TrainModeSites
+from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding
 from gpudiag.runtime.batch import call_model, split
 from gpudiag.runtime.stepping import loss_fn
@@ -65,6 +66,8 @@ def unused_by_shard(
             try:
                 output = call_model(model, x)
                 value = loss_fn(loss, output if select is None else select(output), y)
+            except GpudiagError:  # (the deadline of the block this runs in: not the model's)
+                raise
             except Exception:  # the runs name the model's error where it happens
                 continue
             if not isinstance(value, torch.Tensor):

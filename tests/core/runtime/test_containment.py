@@ -94,9 +94,20 @@ def test_a_factory_that_exits_is_an_error(model_file: str) -> None:
     assert exit_code == 2 and "the model factory called sys.exit(4)" in output
 
 
-def test_a_forward_that_hangs_here_is_stopped_at_the_deadline(model_file: str) -> None:
-    exit_code, output, seconds = gradcheck(f"{model_file}:make?what='hang'&after=1", "--timeout", "1")
-    assert exit_code == 1 and "the single run on device 0 did not finish within 1 s (--timeout)" in output
+@pytest.mark.parametrize(
+    ("after", "phase"),
+    [
+        (1, "the train-mode probe (one forward of the model)"),  # (the per-rank usage probe's forward)
+        (3, "the single run on device 0"),  # (after the probe's forward and its two shards')
+    ],
+)
+def test_a_forward_that_hangs_here_is_stopped_at_the_deadline(
+    model_file: str, after: int, phase: str
+) -> None:
+    """The per-rank usage probe swallowed the deadline's exception as the model's error and
+    the next forward hung for good (609 s): the deadline is never the model's."""
+    exit_code, output, seconds = gradcheck(f"{model_file}:make?what='hang'&after={after}", "--timeout", "1")
+    assert exit_code == 1 and f"{phase} did not finish within 1 s (--timeout)" in output, output
     assert seconds < within(idle_s=6.0)  # (against a hang: 1.2 s idle, 9.9 s at load 7)
 
 
