@@ -5,9 +5,10 @@ rank's shard alone (an MoE whose image experts get no tokens there, a branch tak
 some samples) is not — yet DDP without ``find_unused_parameters`` waits for its gradient
 on that rank and stalls (or fails on the next step, or all-reduces a bucket on some ranks
 only). :func:`unused_by_shard` runs the model's forward and the loss on each shard, as
-rank r will, and walks the autograd graph from the loss to the parameters it reaches —
-what DDP's own ``find_unused_parameters`` does after each forward — without a backward.
-"""
+rank r will, and asks autograd which parameters the loss reaches
+(``torch.autograd.grad(..., allow_unused=True)``: None for a parameter outside the graph —
+what DDP's own ``find_unused_parameters`` finds after each forward). A walk of the graph's
+AccumulateGrad nodes, without a backward, found none on torch 2.11."""
 
 from __future__ import annotations
 
@@ -23,23 +24,6 @@ from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding
 from gpudiag.runtime.batch import call_model, split
 from gpudiag.runtime.stepping import loss_fn
-
-
-def reached(root: torch.Tensor) -> set[int]:
-    """The ids of the leaf tensors (parameters) the autograd graph of ``root`` reaches."""
-    found: set[int] = set()
-    seen: set[int] = set()
-    todo = [root.grad_fn] if root.grad_fn is not None else []
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf itself
-        if isinstance(variable, torch.Tensor):
-            found.add(id(variable))
-        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
-    return found
 
 
 def unused_by_shard(
@@ -72,8 +56,12 @@ def unused_by_shard(
                 continue
             if not isinstance(value, torch.Tensor):
                 continue
-            used = reached(value)
-            missing = [n for n, p in named if id(p) not in used]
+            if not (named and value.requires_grad):
+                continue
+            # (autograd itself says which parameters the loss reaches: walking grad_fn's
+            # AccumulateGrad nodes found none on torch 2.11, where they hold no .variable)
+            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+            missing = [n for (n, _), grad in zip(named, grads, strict=True) if grad is None]
             if missing:
                 out[rank] = missing
     return out
