@@ -176,6 +176,7 @@ def test_the_live_transport_check_bundles_its_ranks_log_and_topology_and_replay_
     texts = [("\n".join(rank_lines(r, 2)) + "\n", f"launch1-rank{r}.log") for r in range(2)]
     monkeypatch.setattr("gpudiag.transport.live.live_texts", lambda gpus, timeout=120.0: texts)
     monkeypatch.setenv("GPUDIAG_NVML_SCENARIO", str(DATA / "nvml" / "h100_8gpu_nvswitch.json"))
+    monkeypatch.setenv("GPUDIAG_WATCH_DIR", str(tmp_path / "no-watch"))  # (none of the user's)
     report = run_report(Here(cuda_gpus=2, nvml=None), ["transport"], anonymize=True)
     (run,) = report.checks
     names = ["nccl/1-launch1-rank0.log", "nccl/2-launch1-rank1.log"]
