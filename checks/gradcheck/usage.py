@@ -26,6 +26,24 @@ from gpudiag.runtime.batch import call_model, split
 from gpudiag.runtime.stepping import loss_fn
 
 
+def reached(root: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (parameters) the autograd graph of ``root`` reaches, by its
+    AccumulateGrad nodes' ``variable`` (an empty set where this torch's nodes hold none)."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    todo = [root.grad_fn] if root.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf itself
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
+    return found
+
+
 def unused_by_shard(
     model: nn.Module,
     inputs: Any,
@@ -60,8 +78,13 @@ def unused_by_shard(
                 continue
             # (autograd itself says which parameters the loss reaches: walking grad_fn's
             # AccumulateGrad nodes found none on torch 2.11, where they hold no .variable)
-            grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
-            missing = [n for (n, _), grad in zip(named, grads, strict=True) if grad is None]
+            try:
+                grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+            except RuntimeError:  # (reentrant activation checkpointing refuses .grad(): the walk)
+                used = reached(value)
+                missing = [n for n, p in named if id(p) not in used]
+            else:
+                missing = [n for (n, _), grad in zip(named, grads, strict=True) if grad is None]
             if missing:
                 out[rank] = missing
     return out
